@@ -1,0 +1,8 @@
+"""One exception type for every user-facing input problem.
+
+CLIs catch it, print its one-line message and exit with status 2; nothing is half-written.
+"""
+
+
+class MeshHealError(ValueError):
+    """Bad input named precisely: a profile, graph, schedule, config or data problem."""

@@ -1,0 +1,163 @@
+"""Emulator parameter files: one TOML file per model, a pair = (strong file, weak file).
+
+These are DATA shared by both engines. Cumulative categorical thresholds are computed here, once,
+in float64 with the last set to 1.0, so no engine recomputes a cumsum (spec/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.topology import Profile
+
+MODEL_DIR = Path(__file__).parent / "model_params"
+ANCHORS = (0.0, 0.25, 0.5, 1.0)
+CALL_KINDS = ("infer", "generate", "review", "committee1", "committee2", "candidate", "synthesis")
+AUTHOR_ROLES = ("strong_author", "weak_author")
+PAIRS = {
+    "default": ("gpt-oss-120b", "llama-3.2-1b"),
+    "A": ("gpt-oss-120b", "gemma-3-4b"),
+    "B": ("llama-3.3-70b", "llama-3.2-1b"),
+}
+SCALARS = (
+    "p_infer", "p_rescue", "rho_same", "p_follow", "p_fix", "p_keep", "p_decide",
+    "p_popular_wrong", "answer_fraction",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelParams:
+    name: str  # file stem
+    model: str  # model id served by vLLM
+    scalars: dict[str, float]
+    n_distractors: int
+    p_part: dict[str, dict[str, float]]  # dataset -> {"default" | task type: p}
+    review: dict[tuple[str, bool], tuple[float, ...]]  # (author role, correct) -> probabilities
+    round2: dict[tuple[str, bool], tuple[float, ...]]
+    completion_tokens: dict[str, tuple[int, int]]  # kind -> [min, max]
+    prompt_tokens: dict[str, int]  # kind -> template tokens
+
+    def __getattr__(self, item):  # p_infer, p_fix, ... read as attributes
+        scalars = self.__dict__.get("scalars", {})
+        if item in scalars:
+            return scalars[item]
+        raise AttributeError(item)
+
+    def p_part_for(self, profile: Profile) -> tuple[float, ...]:
+        if profile.dataset not in self.p_part:
+            raise MeshHealError(
+                f"model file {self.name}: no [p_part] entry for dataset {profile.dataset!r}"
+            )
+        table = self.p_part[profile.dataset]
+        out = []
+        for task_type in profile.task_types:
+            if task_type not in table and "default" not in table:
+                raise MeshHealError(
+                    f"model file {self.name}: p_part.{profile.dataset} has no {task_type!r} or default"
+                )
+            out.append(float(table.get(task_type, table.get("default"))))
+        return tuple(out)
+
+    @staticmethod
+    def thresholds(probabilities: tuple[float, ...]) -> tuple[float, ...]:
+        cumulative, total = [], 0.0
+        for p in probabilities:
+            total += p
+            cumulative.append(total)
+        cumulative[-1] = 1.0
+        return tuple(cumulative)
+
+    def distractor_thresholds(self) -> tuple[float, ...]:
+        """Wrong answers: distractor 1 with p_popular_wrong, the others share the rest."""
+        rest = (1.0 - self.p_popular_wrong) / max(self.n_distractors - 1, 1)
+        return self.thresholds((self.p_popular_wrong,) + (rest,) * (self.n_distractors - 1))
+
+    def review_thresholds(self, role: str, correct: bool) -> tuple[float, ...]:
+        return self.thresholds(self.review[(role, correct)])
+
+    def round2_thresholds(self, role: str, correct: bool) -> tuple[float, ...]:
+        return self.thresholds(self.round2[(role, correct)])
+
+
+def _probability(value, where: str) -> float:
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise MeshHealError(f"{where} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool], tuple[float, ...]]:
+    out = {}
+    for role in AUTHOR_ROLES:
+        for label, correct in (("correct", True), ("wrong", False)):
+            where = f"{source}: {section}.{role}.{label}"
+            try:
+                row = doc[section][role][label]
+            except (KeyError, TypeError):
+                raise MeshHealError(f"{where} is missing") from None
+            if len(row) != len(ANCHORS):
+                raise MeshHealError(f"{where} needs {len(ANCHORS)} probabilities (anchors {ANCHORS})")
+            probs = tuple(_probability(p, where) for p in row)
+            if abs(sum(probs) - 1.0) > 1e-6:
+                raise MeshHealError(f"{where} sums to {sum(probs):.6f}, not 1")
+            out[(role, correct)] = probs
+    return out
+
+
+def parse_model(doc: dict, name: str, source: str) -> ModelParams:
+    try:
+        scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
+        n_distractors = int(doc["n_distractors"])
+        completion = {k: tuple(int(x) for x in doc["completion_tokens"][k]) for k in CALL_KINDS}
+        prompt = {k: int(doc["prompt_tokens"][k]) for k in CALL_KINDS}
+        p_part = {str(ds): {str(k): float(v) for k, v in table.items()} for ds, table in doc["p_part"].items()}
+    except KeyError as missing:
+        raise MeshHealError(f"{source}: missing key {missing}") from None
+    if n_distractors < 1:
+        raise MeshHealError(f"{source}: n_distractors must be >= 1")
+    for kind, bounds in completion.items():
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+            raise MeshHealError(f"{source}: completion_tokens.{kind} must be [min, max], 0 <= min <= max")
+    for ds, table in p_part.items():
+        for key, value in table.items():
+            _probability(value, f"{source}: p_part.{ds}.{key}")
+    return ModelParams(
+        name=name,
+        model=str(doc.get("model", name)),
+        scalars=scalars,
+        n_distractors=n_distractors,
+        p_part=p_part,
+        review=_categorical(doc, "review", source),
+        round2=_categorical(doc, "round2", source),
+        completion_tokens=completion,  # type: ignore[arg-type]
+        prompt_tokens=prompt,
+    )
+
+
+def load_model(name_or_path: str | Path, model_dir: Path | None = None) -> ModelParams:
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = (model_dir or MODEL_DIR) / f"{name_or_path}.toml"
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise MeshHealError(f"model parameter file not found: {path}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise MeshHealError(f"cannot parse model parameter file {path}: {err}") from None
+    return parse_model(doc, path.stem, str(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    name: str
+    strong: ModelParams
+    weak: ModelParams
+
+
+def load_pair(name: str, model_dir: Path | None = None) -> Pair:
+    if name not in PAIRS:
+        raise MeshHealError(f"unknown pair {name!r}; known: {sorted(PAIRS)}")
+    strong, weak = PAIRS[name]
+    return Pair(name, load_model(strong, model_dir), load_model(weak, model_dir))

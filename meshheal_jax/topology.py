@@ -1,0 +1,214 @@
+"""Ability profiles (data files), agents and graphs.
+
+A profile maps the six base agents A1..A6 to abilities and each task type to the two abilities it
+requires (spec/abilities.md). Larger networks replicate it: agent k has profile A{(k mod 6)+1}.
+Profiles are validated on load against the rules of spec/abilities.md; a broken rule is reported
+naming the rule and the ability or task type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+from meshheal_jax.errors import MeshHealError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+DATASETS = ("bbh", "math", "mmlu_pro")
+BASE_AGENTS = 6
+N_ABILITIES = 7
+N_TASK_TYPES = 7
+HOLDERS_PER_ABILITY = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """One dataset's ability mapping over the six base agents."""
+
+    dataset: str
+    dataset_id: int
+    question_tokens: int  # mean question tokens (emulator, no data dir)
+    abilities: tuple[str, ...]  # vocabulary order
+    descriptions: tuple[str, ...]
+    task_types: tuple[str, ...]
+    requires: tuple[tuple[int, int], ...]  # per task type: (ability, ability) in file order
+    holds: np.ndarray  # (6, n_abilities) bool: base agent a holds ability s
+    degraded_targets: tuple[int, ...]  # 0-based base-agent indices
+
+    @property
+    def pairs(self) -> tuple[frozenset[int], ...]:
+        """Distinct documented pairs as unordered sets, in order of first appearance."""
+        seen: list[frozenset[int]] = []
+        for pair in self.requires:
+            if frozenset(pair) not in seen:
+                seen.append(frozenset(pair))
+        return tuple(seen)
+
+    def pair_index(self, task_type: int) -> int:
+        return self.pairs.index(frozenset(self.requires[task_type]))
+
+
+def _agent_index(name: str, where: str) -> int:
+    if not (isinstance(name, str) and name.startswith("A") and name[1:].isdigit()):
+        raise MeshHealError(f"profile: {where}: agent name {name!r} is not of the form A1..A6")
+    index = int(name[1:]) - 1
+    if not 0 <= index < BASE_AGENTS:
+        raise MeshHealError(f"profile: {where}: agent {name!r} does not exist (A1..A6)")
+    return index
+
+
+def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
+    """Build and validate a Profile from a parsed TOML document."""
+    try:
+        dataset = str(doc["dataset"])
+        dataset_id = int(doc["dataset_id"])
+        question_tokens = int(doc.get("question_tokens", 200))
+        ability_rows = list(doc["ability"])
+        type_rows = list(doc["task_type"])
+        target_names = list(doc.get("degraded_targets", ["A3", "A5"]))
+    except KeyError as missing:
+        raise MeshHealError(f"{source}: missing key {missing}") from None
+    names = [str(row.get("name", "")) for row in ability_rows]
+    if len(set(names)) != len(names) or "" in names:
+        raise MeshHealError(f"{source}: ability names must be unique and non-empty: {names}")
+    holds = np.zeros((BASE_AGENTS, len(names)), dtype=bool)
+    for s, row in enumerate(ability_rows):
+        for holder in row.get("holders", []):
+            holds[_agent_index(holder, f"ability {names[s]!r}"), s] = True
+    requires = []
+    for row in type_rows:
+        req = list(row.get("requires", []))
+        for ability in req:
+            if ability not in names:
+                raise MeshHealError(
+                    f"{source}: task type {row.get('name')!r} requires unknown ability {ability!r}"
+                )
+        requires.append(tuple(names.index(a) for a in req))
+    profile = Profile(
+        dataset=dataset,
+        dataset_id=dataset_id,
+        question_tokens=question_tokens,
+        abilities=tuple(names),
+        descriptions=tuple(str(row.get("description", "")) for row in ability_rows),
+        task_types=tuple(str(row.get("name", "")) for row in type_rows),
+        requires=tuple(requires),  # type: ignore[arg-type]
+        holds=holds,
+        degraded_targets=tuple(_agent_index(n, "degraded_targets") for n in target_names),
+    )
+    validate_profile(profile, source)
+    return profile
+
+
+def validate_profile(p: Profile, source: str = "<profile>") -> None:
+    """Check every rule of spec/abilities.md; raise naming the first broken rule."""
+
+    def fail(rule: str, detail: str) -> None:
+        raise MeshHealError(f"{source}: rule '{rule}' broken: {detail}")
+
+    if len(p.abilities) != N_ABILITIES:
+        fail("7-ability vocabulary", f"{len(p.abilities)} abilities")
+    if len(p.task_types) != N_TASK_TYPES or len(set(p.task_types)) != N_TASK_TYPES:
+        fail("7 distinct task types", f"{list(p.task_types)}")
+    for s, name in enumerate(p.abilities):
+        count = int(p.holds[:, s].sum())
+        if count != HOLDERS_PER_ABILITY:
+            fail("every ability is held by exactly three agents", f"ability {name!r} has {count}")
+    for t, (name, req) in enumerate(zip(p.task_types, p.requires)):
+        if len(req) != 2 or req[0] == req[1]:
+            fail("each task type requires exactly two abilities", f"task type {name!r}")
+        a, b = req
+        if np.any(p.holds[:, a] & p.holds[:, b]):
+            fail(
+                "the two abilities of a task type are held by disjoint agent sets",
+                f"task type {name!r}: {p.abilities[a]!r} and {p.abilities[b]!r} share a holder",
+            )
+    if len(p.degraded_targets) != 2 or p.degraded_targets[0] == p.degraded_targets[1]:
+        fail("two distinct degraded targets", f"{p.degraded_targets}")
+    t1, t2 = p.degraded_targets
+    for s, name in enumerate(p.abilities):
+        if p.holds[t1, s] and p.holds[t2, s]:
+            fail("no ability is held by both degraded targets", f"ability {name!r}")
+        if int(p.holds[t1, s]) + int(p.holds[t2, s]) != 1:
+            fail("every holder set contains exactly one degraded target", f"ability {name!r}")
+
+
+def load_profile(dataset_or_path: str | Path, profile_dir: Path | None = None) -> Profile:
+    """Load a dataset's profile by name (bbh, math, mmlu_pro) or from a TOML path."""
+    path = Path(dataset_or_path)
+    if path.suffix != ".toml":
+        path = (profile_dir or PROFILE_DIR) / f"{dataset_or_path}.toml"
+        if not path.exists():
+            known = sorted(f.stem for f in (profile_dir or PROFILE_DIR).glob("*.toml"))
+            raise MeshHealError(f"unknown dataset {str(dataset_or_path)!r}; known: {known}")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise MeshHealError(f"cannot read profile {path}: {err}") from None
+    return parse_profile(doc, str(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Agents (replicated profile) and an undirected graph, as plain numpy data."""
+
+    profile: Profile
+    holds: np.ndarray  # (N, n_abilities) bool: agent k holds ability s (original set K_k)
+    adjacency: np.ndarray  # (N, N) bool, symmetric, no self loops
+    degraded_targets: tuple[int, ...]  # agent indices (A3/A5 of every replica)
+
+    @property
+    def n_agents(self) -> int:
+        return int(self.holds.shape[0])
+
+    def neighbours(self, agent: int) -> list[int]:
+        return [int(j) for j in np.flatnonzero(self.adjacency[agent])]
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.adjacency.sum()) // 2
+
+
+def replicate_holds(profile: Profile, n_agents: int) -> np.ndarray:
+    if n_agents <= 0 or n_agents % BASE_AGENTS:
+        raise MeshHealError(f"agents must be a positive multiple of 6, got {n_agents}")
+    return np.tile(profile.holds, (n_agents // BASE_AGENTS, 1))
+
+
+def complete_graph(n_agents: int) -> np.ndarray:
+    adjacency = np.ones((n_agents, n_agents), dtype=bool)
+    np.fill_diagonal(adjacency, False)
+    return adjacency
+
+
+def validate_graph(adjacency: np.ndarray) -> None:
+    n = adjacency.shape[0]
+    if adjacency.shape != (n, n):
+        raise MeshHealError(f"graph: adjacency must be square, got {adjacency.shape}")
+    if np.any(np.diag(adjacency)):
+        raise MeshHealError(f"graph: self loop at agent {int(np.flatnonzero(np.diag(adjacency))[0])}")
+    if not np.array_equal(adjacency, adjacency.T):
+        i, j = np.argwhere(adjacency != adjacency.T)[0]
+        raise MeshHealError(f"graph: edge ({i}, {j}) is not undirected")
+    seen = {0}
+    frontier = [0]
+    while frontier:
+        frontier = [int(j) for i in frontier for j in np.flatnonzero(adjacency[i]) if j not in seen]
+        seen.update(frontier)
+    if len(seen) != n:
+        missing = min(set(range(n)) - seen)
+        raise MeshHealError(f"graph: not connected (agent {missing} unreachable from agent 0)")
+
+
+def build_network(profile: Profile, n_agents: int = 6, adjacency: np.ndarray | None = None) -> Network:
+    holds = replicate_holds(profile, n_agents)
+    adjacency = complete_graph(n_agents) if adjacency is None else np.asarray(adjacency, dtype=bool)
+    if adjacency.shape[0] != n_agents:
+        raise MeshHealError(f"graph has {adjacency.shape[0]} agents, profile replicated to {n_agents}")
+    validate_graph(adjacency)
+    targets = tuple(
+        r * BASE_AGENTS + a for r in range(n_agents // BASE_AGENTS) for a in profile.degraded_targets
+    )
+    return Network(profile, holds, adjacency, tuple(sorted(targets)))
