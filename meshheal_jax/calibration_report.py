@@ -1,0 +1,150 @@
+"""`python -m meshheal_jax.calibration_report`: the emulator against the paper's call-level targets.
+
+Runs the persistent-degradation experiment through the real protocol (3 datasets, 5 seeds by
+default; pairs A and B for the secondary accuracy targets) and prints, per target of
+spec/emulator.md: the paper's value, the measured mean ± std over seeds, the tolerance and
+whether the mean is within it. Exits with status 1 when a primary target fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from meshheal_jax import metrics, runner
+from meshheal_jax.cli import CommonFlags, entrypoint, new_table, print_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    priority: str
+    name: str
+    paper: float
+    tolerance: float
+    measure: Callable[[dict], float | None]  # per-seed context -> value
+    pair: str = "default"
+
+
+def _audit(key: str) -> Callable[[dict], float | None]:
+    return lambda ctx: ctx["audit"][key]
+
+
+def _acc(phase: str, dataset: str | None = None) -> Callable[[dict], float | None]:
+    def measure(ctx: dict) -> float | None:
+        values = [m[phase] for d, m in ctx["streams"].items() if dataset in (None, d)]
+        return float(np.mean(values))
+
+    return measure
+
+
+TARGETS = (
+    Target("primary", "mean q0, healthy-author outputs", 0.89, 0.03, _audit("mean_q0_healthy")),
+    Target("primary", "mean q0, degraded-author outputs", 0.08, 0.03, _audit("mean_q0_degraded")),
+    Target("primary", "initial low-score recall (degraded)", 0.90, 0.04, _audit("initial_recall")),
+    Target("primary", "initial low-score false alarm (healthy)", 0.053, 0.02, _audit("initial_false_alarm")),
+    Target("primary", "after committee: recall", 0.88, 0.04, _audit("final_recall")),
+    Target("primary", "after committee: false alarm", 0.044, 0.02, _audit("final_false_alarm")),
+    Target("primary", "committee clears healthy-flagged", 0.33, 0.08, _audit("committee_clears_healthy")),
+    Target("primary", "committee keeps degraded-flagged", 0.95, 0.04, _audit("committee_keeps_degraded")),
+    Target("primary", "degraded-author outputs sent to committee", 0.98, 0.03, _audit("committee_share_degraded")),
+    Target("primary", "Takeover on Finalize: wrong->right", 15 / 32, 0.12, _audit("takeover_wrong_to_right")),
+    Target("primary", "Takeover on Finalize: right->wrong", 1 / 32, 0.04, _audit("takeover_right_to_wrong")),
+    Target("primary", "accuracy, healthy phase, mean of 3 datasets", 0.831, 0.02, _acc("acc_healthy")),
+    Target("primary", "accuracy, degraded phase, mean of 3 datasets", 0.839, 0.02, _acc("acc_degraded")),
+    Target("primary", "MATH accuracy, healthy phase", 0.821, 0.03, _acc("acc_healthy", "math")),
+    Target("primary", "MATH accuracy, degraded phase", 0.802, 0.03, _acc("acc_degraded", "math")),
+    Target("secondary", "model calls per task, healthy", 12.4, 1.0, _acc("calls_per_task_healthy")),
+    Target("secondary", "model calls per task, degraded", 13.6, 1.0, _acc("calls_per_task_degraded")),
+    Target("secondary", "model tokens per task, healthy", 51_000, 5_000, _acc("tokens_per_task_healthy")),
+    Target("secondary", "model tokens per task, degraded", 51_000, 5_000, _acc("tokens_per_task_degraded")),
+    Target("secondary", "pair A: accuracy, degraded phase, mean of 3", 0.905, 0.03, _acc("acc_degraded"), "A"),
+    Target("secondary", "pair B: accuracy, degraded phase, mean of 3", 0.782, 0.03, _acc("acc_degraded"), "B"),
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig(CommonFlags):
+    pairs: tuple[str, ...] = ("default", "A", "B")
+    """pairs to run (the A/B targets are skipped when their pair is not run)"""
+    json_out: Path | None = None
+    """also write the table as JSON here"""
+
+
+def per_seed_contexts(results: runner.Results, exp: runner.Experiment, pair: str) -> list[dict]:
+    """Per seed: metrics of every dataset's stream and the review audit pooled over datasets."""
+    schedule = exp.schedule()
+    _, phase_names = exp.phases()
+    out = []
+    for seed in exp.seeds:
+        def pick(df: pl.DataFrame, dataset: str | None = None) -> pl.DataFrame:
+            df = df.filter((pl.col("seed") == seed) & (pl.col("pair") == pair))
+            return df if dataset is None else df.filter(pl.col("dataset") == dataset)
+
+        streams = {
+            d: metrics.stream_metrics(pick(results.tasks, d), pick(results.reviews, d),
+                                      pick(results.states, d), schedule, phase_names)
+            for d in exp.datasets
+        }  # fmt: skip
+        out.append({"streams": streams, "audit": metrics.review_audit(pick(results.reviews))})
+    return out
+
+
+def evaluate(contexts_by_pair: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for target in TARGETS:
+        if target.pair not in contexts_by_pair:
+            continue
+        values = [target.measure(ctx) for ctx in contexts_by_pair[target.pair]]
+        s = metrics.stat(values)
+        ok = s["mean"] is not None and abs(s["mean"] - target.paper) <= target.tolerance + 1e-12
+        rows.append({"priority": target.priority, "target": target.name, "pair": target.pair,
+                     "paper": target.paper, "tolerance": target.tolerance, "measured": s, "pass": ok})  # fmt: skip
+    return rows
+
+
+def _num(x: float | None, big: bool) -> str:
+    if x is None:
+        return "—"
+    return f"{x:,.0f}" if big else f"{x:.3f}"
+
+
+def print_report(rows: list[dict], title: str) -> None:
+    table = new_table(title, "priority", "target", "paper", "measured (mean ± std)", "tolerance", "pass")
+    for r in rows:
+        big = abs(r["paper"]) >= 100
+        m = r["measured"]
+        measured = _num(m["mean"], big) + ("" if m["std"] is None else f" ± {_num(m['std'], big)}")
+        table.add_row(r["priority"], r["target"], _num(r["paper"], big), measured,
+                      "±" + _num(r["tolerance"], big), "yes" if r["pass"] else "NO")  # fmt: skip
+    print_table(table)
+
+
+def body(cfg: ReportConfig) -> None:
+    exp = runner.Experiment(
+        name="main", datasets=("bbh", "math", "mmlu_pro"), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
+        engine=cfg.engine, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+    )  # fmt: skip
+    results = runner.run(exp, cfg.out, progress=not cfg.quiet)
+    rows = evaluate({pair: per_seed_contexts(results, exp, pair) for pair in exp.pairs})
+    print_report(rows, f"Emulator calibration ({cfg.engine} engine, {len(exp.seeds)} seeds, non-probe outputs)")
+    if cfg.json_out is not None:
+        cfg.json_out.write_text(json.dumps(rows, indent=2))
+    failed = [r["target"] for r in rows if r["priority"] == "primary" and not r["pass"]]
+    print(f"primary targets: {sum(r['pass'] for r in rows if r['priority'] == 'primary')}/"
+          f"{sum(r['priority'] == 'primary' for r in rows)} within tolerance")  # fmt: skip
+    if failed:
+        sys.exit(1)
+
+
+def cli() -> None:
+    entrypoint(ReportConfig, body, __doc__)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,251 @@
+"""Records -> polars frames -> the self-healing metrics of spec/protocol.md §7.
+
+Engine-agnostic: every engine produces the same four record tables (SCHEMAS); everything here
+reads only them and the health schedule. Task indices are 1-based; agents 0-based.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import polars as pl
+
+from meshheal_jax.streams import HealthSchedule
+
+LOW_SCORE = 0.40
+TOL = 1e-9  # same tolerance in favour of crossing as the engines (spec/architecture.md)
+
+LABELS = {"method": pl.String, "dataset": pl.String, "pair": pl.String, "seed": pl.Int64}
+SCHEMAS: dict[str, dict[str, pl.DataType]] = {
+    "tasks": {
+        **LABELS, "t": pl.Int64, "task_type": pl.Int64, "phase": pl.Int64, "entry": pl.Int64,
+        "route": pl.String, "actions": pl.String, "moves": pl.Int64, "answered": pl.Boolean,
+        "correct": pl.Boolean, "answer_id": pl.Int64, "inferred_pair": pl.Int64,
+        "pair_correct": pl.Boolean, "unreviewed": pl.Int64, "end": pl.String, "calls": pl.Int64,
+        "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64, "tokens": pl.Int64,
+    },
+    "reviews": {
+        **LABELS, "t": pl.Int64, "visit": pl.Int64, "action": pl.String, "author": pl.Int64,
+        "ability": pl.Int64, "author_degraded": pl.Boolean, "author_model": pl.String,
+        "part_correct": pl.Boolean, "probe": pl.Boolean, "reviewer": pl.Int64,
+        "u1": pl.Float64, "u2": pl.Float64, "u3": pl.Float64, "q0": pl.Float64, "s_u": pl.Float64,
+        "committee": pl.Boolean, "committee_a": pl.Int64, "committee_b": pl.Int64,
+        "v_a1": pl.Float64, "v_b1": pl.Float64, "v_a": pl.Float64, "v_b": pl.Float64,
+        "q": pl.Float64, "takeover": pl.Boolean, "correct_before": pl.Boolean,
+        "correct_after": pl.Boolean, "z": pl.Float64, "state_before": pl.String,
+        "state_after": pl.String,
+    },
+    "states": {
+        **LABELS, "t": pl.Int64, "agent": pl.Int64, "from": pl.String, "to": pl.String,
+        "z": pl.Float64, "reason": pl.String, "probe": pl.Boolean, "degraded": pl.Boolean,
+    },
+    "calls": {
+        **LABELS, "t": pl.Int64, "visit": pl.Int64, "kind": pl.String, "agent": pl.Int64,
+        "author": pl.Int64, "ability": pl.Int64, "model": pl.String, "prompt_tokens": pl.Int64,
+        "completion_tokens": pl.Int64, "latency_s": pl.Float64, "parse_status": pl.String,
+        "score": pl.Float64, "answer_id": pl.Int64, "correct": pl.Boolean,
+    },
+}  # fmt: skip
+
+
+def frame(table: str, rows: list[dict]) -> pl.DataFrame:
+    """Rows -> a frame with the table's fixed schema (columns in schema order)."""
+    schema = SCHEMAS[table]
+    return pl.DataFrame([{k: row.get(k) for k in schema} for row in rows], schema=schema, orient="row")
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics over seeds
+# ----------------------------------------------------------------------------------------------
+
+
+def stat(values: Sequence[float | None]) -> dict:
+    """{mean, std (sample), min, max, n_defined} over the defined values; null where undefined."""
+    defined = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    n = len(defined)
+    if n == 0:
+        return {"mean": None, "std": None, "min": None, "max": None, "n_defined": 0}
+    return {
+        "mean": float(np.mean(defined)),
+        "std": float(np.std(defined, ddof=1)) if n > 1 else None,
+        "min": float(np.min(defined)),
+        "max": float(np.max(defined)),
+        "n_defined": n,
+    }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return None if den == 0 else num / den
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-stream metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def state_matrix(states: pl.DataFrame, n_agents: int, n_tasks: int) -> np.ndarray:
+    """(n_tasks + 1, n_agents) array of state names at the END of task t (row 0 = start)."""
+    current = ["normal"] * n_agents
+    out = np.empty((n_tasks + 1, n_agents), dtype=object)
+    out[0] = current
+    changes: dict[int, list[tuple[int, str]]] = {}
+    for row in states.sort("t", maintain_order=True).iter_rows(named=True):
+        changes.setdefault(row["t"], []).append((row["agent"], row["to"]))
+    for t in range(1, n_tasks + 1):
+        for agent, to in changes.get(t, []):
+            current[agent] = to
+        out[t] = current
+    return out
+
+
+def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]:
+    """Detection delay, closure and reintegration per degraded agent (spec/protocol.md §7)."""
+    n = schedule.n_tasks
+    matrix = state_matrix(states, schedule.n_agents, n)
+    out = []
+    for agent, begin, end in schedule.intervals:
+        isolated = [t for t in range(begin, end) if matrix[t, agent] == "isolated"]
+        detected = isolated[0] if isolated else None
+        closure = detected is not None and all(
+            matrix[t, agent] == "isolated" for t in range(detected, end)
+        )
+        reintegration = None
+        if end <= n:
+            normal_from = None
+            for t in range(n, end - 1, -1):  # latest run of 'normal' reaching the end
+                if matrix[t, agent] != "normal":
+                    break
+                normal_from = t
+            reintegration = None if normal_from is None else normal_from - end
+        out.append({
+            "agent": agent, "degraded_at": begin, "recovered_at": end if end <= n else None,
+            "detection_delay": None if detected is None else detected - begin,
+            "closure": closure, "reintegration_delay": reintegration,
+        })  # fmt: skip
+    return out
+
+
+def review_audit(reviews: pl.DataFrame) -> dict:
+    """Review audit on non-probe outputs (probe outputs reported apart)."""
+    r = reviews.filter(~pl.col("probe"))
+    healthy = r.filter(~pl.col("author_degraded"))
+    degraded = r.filter(pl.col("author_degraded"))
+
+    def low(col: str, df: pl.DataFrame) -> pl.DataFrame:
+        return df.filter(pl.col(col) <= LOW_SCORE + TOL)
+
+    flagged_h, flagged_d = low("q0", healthy), low("q0", degraded)
+    fin_take = r.filter((pl.col("action") == "finalize") & pl.col("takeover"))
+    n_take = fin_take.height
+    wrong_to_right = fin_take.filter(~pl.col("correct_before") & pl.col("correct_after")).height
+    right_to_wrong = fin_take.filter(pl.col("correct_before") & ~pl.col("correct_after")).height
+    probes = reviews.filter(pl.col("probe"))
+    return {
+        "outputs_healthy": healthy.height,
+        "outputs_degraded": degraded.height,
+        "mean_q0_healthy": healthy["q0"].mean() if healthy.height else None,
+        "mean_q0_degraded": degraded["q0"].mean() if degraded.height else None,
+        "committee_rate": _ratio(r["committee"].sum(), r.height),
+        "committee_share_degraded": _ratio(degraded["committee"].sum(), degraded.height),
+        "initial_recall": _ratio(flagged_d.height, degraded.height),
+        "initial_false_alarm": _ratio(flagged_h.height, healthy.height),
+        "final_recall": _ratio(low("q", degraded).height, degraded.height),
+        "final_false_alarm": _ratio(low("q", healthy).height, healthy.height),
+        "committee_clears_healthy": _ratio(flagged_h.filter(pl.col("q") > LOW_SCORE + TOL).height, flagged_h.height),
+        "committee_keeps_degraded": _ratio(low("q", flagged_d).height, flagged_d.height),
+        "takeovers": r["takeover"].sum(),
+        "finalize_takeovers": n_take,
+        "takeover_wrong_to_right": _ratio(wrong_to_right, n_take),
+        "takeover_right_to_wrong": _ratio(right_to_wrong, n_take),
+        "takeover_unchanged": _ratio(n_take - wrong_to_right - right_to_wrong, n_take),
+        "probe_outputs": probes.height,
+        "probe_mean_q": probes["q"].mean() if probes.height else None,
+    }  # fmt: skip
+
+
+def stream_metrics(
+    tasks: pl.DataFrame, reviews: pl.DataFrame, states: pl.DataFrame,
+    schedule: HealthSchedule, phase_names: Sequence[str],
+) -> dict:  # fmt: skip
+    """Every per-stream number the summary aggregates over seeds."""
+    degraded_rows = schedule.degraded_matrix()[1:].any(axis=1)  # (n_tasks,) any agent degraded
+    tasks = tasks.sort("t").with_columns(
+        pl.Series("any_degraded", degraded_rows[tasks.sort("t")["t"].to_numpy() - 1])
+    )
+    healthy, degraded = tasks.filter(~pl.col("any_degraded")), tasks.filter(pl.col("any_degraded"))
+
+    def mean(df: pl.DataFrame, col: str) -> float | None:
+        return float(df[col].cast(pl.Float64).mean()) if df.height else None
+
+    acc_h, acc_d = mean(healthy, "correct"), mean(degraded, "correct")
+    phases = []
+    for k, name in enumerate(phase_names):
+        part = tasks.filter(pl.col("phase") == k)
+        phases.append({"name": name, "acc": mean(part, "correct"), "tokens_per_task": mean(part, "tokens"),
+                       "calls_per_task": mean(part, "calls")})  # fmt: skip
+    to_isolated = states.filter(pl.col("to") == "isolated")
+    false_iso = to_isolated.filter(~pl.col("degraded"))
+    agents = agent_outcomes(states, schedule)
+    return {
+        "acc_healthy": acc_h,
+        "acc_degraded": acc_d,
+        "phase_change": None if acc_h is None or acc_d is None else acc_d - acc_h,
+        "calls_per_task_healthy": mean(healthy, "calls"),
+        "calls_per_task_degraded": mean(degraded, "calls"),
+        "tokens_per_task_healthy": mean(healthy, "tokens"),
+        "tokens_per_task_degraded": mean(degraded, "tokens"),
+        "unanswered": int((~tasks["answered"]).sum()),
+        "unreviewed_outputs": int(tasks["unreviewed"].sum()),
+        "phases": phases,
+        "agents": agents,
+        "missed": sum(a["detection_delay"] is None for a in agents),
+        "false_isolations": false_iso.height,
+        "false_isolated_agents": false_iso["agent"].n_unique(),
+        "review_audit": review_audit(reviews),
+    }
+
+
+SCALAR_KEYS = (
+    "acc_healthy", "acc_degraded", "phase_change", "calls_per_task_healthy",
+    "calls_per_task_degraded", "tokens_per_task_healthy", "tokens_per_task_degraded",
+    "unanswered", "unreviewed_outputs", "missed", "false_isolations", "false_isolated_agents",
+)  # fmt: skip
+
+
+def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
+    """Per-seed metric dicts of one (method, dataset, pair) -> stats over seeds."""
+    out: dict = {"seeds": list(seeds)}
+    for key in SCALAR_KEYS:
+        out[key] = stat([m[key] for m in per_seed])
+    first = per_seed[0]
+    out["phases"] = [
+        {"name": ph["name"],
+         "acc": stat([m["phases"][k]["acc"] for m in per_seed]),
+         "tokens_per_task": stat([m["phases"][k]["tokens_per_task"] for m in per_seed]),
+         "calls_per_task": stat([m["phases"][k]["calls_per_task"] for m in per_seed])}
+        for k, ph in enumerate(first["phases"])
+    ]  # fmt: skip
+    out["agents"] = [
+        {"agent": a["agent"], "degraded_at": a["degraded_at"], "recovered_at": a["recovered_at"],
+         "detection_delay": stat([m["agents"][k]["detection_delay"] for m in per_seed]),
+         "closure_seeds": sum(bool(m["agents"][k]["closure"]) for m in per_seed),
+         "reintegration_delay": stat([m["agents"][k]["reintegration_delay"] for m in per_seed])}
+        for k, a in enumerate(first["agents"])
+    ]  # fmt: skip
+    out["review_audit"] = {key: stat([m["review_audit"][key] for m in per_seed]) for key in first["review_audit"]}
+    return out
+
+
+def mean_over_datasets(per_dataset: dict[str, list[dict]], seeds: Sequence[int]) -> dict:
+    """The "dataset": "mean" entry: scalars averaged over datasets within each seed."""
+    datasets = list(per_dataset)
+    out: dict = {"seeds": list(seeds)}
+    for key in SCALAR_KEYS:
+        within_seed = []
+        for k in range(len(seeds)):
+            values = [per_dataset[d][k][key] for d in datasets]
+            within_seed.append(None if any(v is None for v in values) else float(np.mean(values)))
+        out[key] = stat(within_seed)
+    return out

@@ -1,0 +1,221 @@
+"""Experiment runner: streams -> engine -> records appended per stream -> summary.
+
+A run folder holds config.json, parts/<dataset>-<pair>-seed<k>/ (one finished stream each, written
+atomically), the merged tasks/reviews/states/calls parquet files and summary.json. Re-running with
+the same --out resumes: finished streams are kept, the rest run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import polars as pl
+from rich.progress import Progress
+
+from meshheal_jax import metrics, reference
+from meshheal_jax.config import ProtocolParams
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.params import load_pair
+from meshheal_jax.streams import HealthSchedule, RECOVERY_PHASES, make_stream, persistent_schedule, recovery_schedule
+from meshheal_jax.topology import build_network, load_profile
+
+TABLES = ("tasks", "reviews", "states", "calls")
+RUN_MARKER = "meshheal_run"
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """What one experiment runs: its streams and schedule (built per dataset)."""
+
+    name: str  # "main" | "recovery"
+    datasets: tuple[str, ...]
+    pairs: tuple[str, ...]
+    seeds: tuple[int, ...]
+    method: str = "meshheal"
+    engine: str = "reference"
+    backend: str = "emulated"
+    n_agents: int = 6
+    n_tasks: int = 504
+    degraded: tuple[int, ...] = (2, 4)  # main: agents degraded from the midpoint
+    protocol: ProtocolParams = ProtocolParams()
+    profiles_dir: Path | None = None
+    params_dir: Path | None = None
+
+    def validate(self) -> None:
+        if not self.seeds:
+            raise MeshHealError("no seeds given")
+        if any(s < 0 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
+            raise MeshHealError(f"seeds must be distinct and >= 0, got {list(self.seeds)}")
+        if self.engine != "reference":
+            raise MeshHealError(f"engine {self.engine!r} is not available (only 'reference' so far)")
+        if self.backend != "emulated":
+            raise MeshHealError(f"backend {self.backend!r} is not available (only 'emulated' so far)")
+        for dataset in self.datasets:
+            load_profile(dataset, self.profiles_dir)
+        for pair in self.pairs:
+            load_pair(pair, self.params_dir)
+        self.schedule()
+
+    def schedule(self) -> HealthSchedule:
+        if self.name == "recovery":
+            if self.n_agents != 6:
+                raise MeshHealError("the recovery schedule is defined for the 6-agent network")
+            return recovery_schedule(self.n_tasks)
+        return persistent_schedule(self.n_agents, self.n_tasks, self.degraded)
+
+    def phases(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        if self.name == "recovery":
+            p = self.n_tasks // 5
+            return tuple(1 + k * p for k in range(5)), RECOVERY_PHASES
+        return (1, self.n_tasks // 2 + 1), ("healthy", "degraded")
+
+    def streams(self) -> list[tuple[str, str, int]]:
+        return [(d, p, s) for d in self.datasets for p in self.pairs for s in self.seeds]
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["protocol"] = dataclasses.asdict(self.protocol)
+        for key in ("profiles_dir", "params_dir"):
+            out[key] = None if out[key] is None else str(out[key])
+        return out
+
+
+def _git_revision() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("meshheal_jax", "jax", "jaxlib", "numpy", "polars", "tyro"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
+    """Create a new run folder, or reopen one holding the same experiment (resume)."""
+    if out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path("runs") / f"{exp.name}-{stamp}"
+    config_path = out / "config.json"
+    if out.exists():
+        if not out.is_dir():
+            raise MeshHealError(f"output path {out} exists and is not a folder")
+        if config_path.exists():
+            try:
+                previous = json.loads(config_path.read_text())
+            except json.JSONDecodeError:
+                raise MeshHealError(f"output folder {out} has an unreadable config.json") from None
+            if not previous.get(RUN_MARKER):
+                raise MeshHealError(f"output folder {out} exists and is not a run folder")
+            if previous.get("experiment") != exp.to_json():
+                raise MeshHealError(
+                    f"output folder {out} holds a run of a different configuration; choose another --out"
+                )
+            return out
+        if any(out.iterdir()):
+            raise MeshHealError(f"output folder {out} exists and is not a run folder")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {RUN_MARKER: True, "experiment": exp.to_json(), "versions": _versions(),
+              "git_revision": _git_revision(), "created": datetime.datetime.now().isoformat()}  # fmt: skip
+    tmp = config_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.replace(config_path)
+    return out
+
+
+def _part_dir(run_dir: Path, dataset: str, pair: str, seed: int) -> Path:
+    return run_dir / "parts" / f"{dataset}-{pair}-seed{seed}"
+
+
+def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:
+    profile = load_profile(dataset, exp.profiles_dir)
+    network = build_network(profile, exp.n_agents)
+    starts, names = exp.phases()
+    stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
+    labels = {"method": exp.method, "dataset": dataset, "pair": pair_name, "seed": seed}
+    records = reference.run_stream(
+        network, exp.protocol, load_pair(pair_name, exp.params_dir), stream, exp.schedule(), labels
+    )
+    return {name: metrics.frame(name, getattr(records, name)) for name in TABLES}
+
+
+def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
+    tmp = part.with_name(part.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, df in frames.items():
+        df.write_parquet(tmp / f"{name}.parquet")
+    tmp.rename(part)
+
+
+@dataclasses.dataclass
+class Results:
+    """A finished run: the four record frames and the summary."""
+
+    run_dir: Path
+    tasks: pl.DataFrame
+    reviews: pl.DataFrame
+    states: pl.DataFrame
+    calls: pl.DataFrame
+    summary: dict
+
+
+def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Results:
+    """Run (or resume) an experiment; append each finished stream to the run folder."""
+    exp.validate()
+    run_dir = prepare_run_dir(exp, out)
+    todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
+    with Progress(disable=not progress, transient=True) as bar:
+        job = bar.add_task(f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo))
+        for dataset, pair, seed in todo:
+            bar.update(job, description=f"{exp.name}: {dataset} pair={pair} seed={seed}")
+            _write_part(_part_dir(run_dir, dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
+            bar.advance(job)
+    frames = {
+        name: pl.concat([pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet") for s in exp.streams()])
+        for name in TABLES
+    }
+    for name, df in frames.items():
+        df.write_parquet(run_dir / f"{name}.parquet")
+    summary = summarize(exp, frames)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
+
+
+def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
+    schedule = exp.schedule()
+    _, phase_names = exp.phases()
+    results = []
+    for pair in exp.pairs:
+        per_dataset: dict[str, list[dict]] = {}
+        for dataset in exp.datasets:
+            per_seed = []
+            for seed in exp.seeds:
+                def pick(df: pl.DataFrame) -> pl.DataFrame:
+                    return df.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair) & (pl.col("seed") == seed))
+
+                per_seed.append(metrics.stream_metrics(
+                    pick(frames["tasks"]), pick(frames["reviews"]), pick(frames["states"]), schedule, phase_names
+                ))  # fmt: skip
+            per_dataset[dataset] = per_seed
+            results.append({"method": exp.method, "dataset": dataset, "pair": pair, **metrics.aggregate(per_seed, exp.seeds)})
+        if len(exp.datasets) > 1:
+            results.append({"method": exp.method, "dataset": "mean", "pair": pair,
+                            **metrics.mean_over_datasets(per_dataset, exp.seeds)})  # fmt: skip
+    return {"experiment": exp.name, "engine": exp.engine, "backend": exp.backend,
+            "n_agents": exp.n_agents, "n_tasks": exp.n_tasks, "results": results}  # fmt: skip
