@@ -161,3 +161,25 @@ def load_pair(name: str, model_dir: Path | None = None) -> Pair:
         raise MeshHealError(f"unknown pair {name!r}; known: {sorted(PAIRS)}")
     strong, weak = PAIRS[name]
     return Pair(name, load_model(strong, model_dir), load_model(weak, model_dir))
+
+
+def dump_model(m: ModelParams, header: str = "") -> str:
+    """A model file's TOML text (the inverse of parse_model)."""
+    lines = [f"# {line}" for line in header.splitlines()] + [f"model = {m.model!r}".replace("'", '"')]
+    for key in SCALARS:
+        lines.append(f"{key} = {m.scalars[key]:.6g}")
+    lines.append(f"n_distractors = {m.n_distractors}")
+    lines += ["", "[p_part]"]
+    for dataset, table in m.p_part.items():
+        items = ", ".join(f'"{k}" = {v:.6g}' if " " in k or "&" in k else f"{k} = {v:.6g}" for k, v in table.items())
+        lines.append(f"{dataset} = {{ {items} }}")
+    for section, table in (("review", m.review), ("round2", m.round2)):
+        for role in AUTHOR_ROLES:
+            lines += ["", f"[{section}.{role}]"]
+            for label, correct in (("correct", True), ("wrong", False)):
+                lines.append(f"{label} = [{', '.join(f'{p:.6g}' for p in table[(role, correct)])}]")
+    lines += ["", "[completion_tokens]"]
+    lines += [f"{k} = [{lo}, {hi}]" for k, (lo, hi) in m.completion_tokens.items()]
+    lines += ["", "[prompt_tokens]"]
+    lines += [f"{k} = {v}" for k, v in m.prompt_tokens.items()]
+    return "\n".join(lines) + "\n"
