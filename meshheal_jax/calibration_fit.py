@@ -158,8 +158,11 @@ def loss(rows: list[dict]) -> float:
 
 
 def initial_point() -> np.ndarray:
-    """Knob values close to the judgement files (issue 2), the search's start."""
-    return np.array([0.0, 0.30, 0.45, 0.0, 0.01, 0.35, 0.30, 0.75, 0.5, 0.3, 0.3, 0.97, 0.85, 0.47])
+    """The search's start: pass 1's result (from the issue-2 judgement files, loss 90 -> 31.7),
+    moved by hand along the one direction pass 1 could not take in single-knob steps: more
+    rescue by a correct strong finalizer with a weaker strong part (both move healthy accuracy,
+    in opposite directions)."""
+    return np.array([-0.04, 0.85, 0.625, -0.0375, 0.0075, 0.23, 0.28, 0.825, 0.5, 0.375, 0.18, 1.0, 0.89, 0.61])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -228,7 +228,8 @@ def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
         for k, ph in enumerate(first["phases"])
     ]  # fmt: skip
     out["agents"] = [
-        {"agent": a["agent"], "degraded_at": a["degraded_at"], "recovered_at": a["recovered_at"],
+        {"agent": a["agent"], "profile": f"A{a['agent'] % 6 + 1}",
+         "degraded_at": a["degraded_at"], "recovered_at": a["recovered_at"],
          "detection_delay": stat([m["agents"][k]["detection_delay"] for m in per_seed]),
          "closure_seeds": sum(bool(m["agents"][k]["closure"]) for m in per_seed),
          "reintegration_delay": stat([m["agents"][k]["reintegration_delay"] for m in per_seed])}
@@ -245,7 +246,20 @@ def mean_over_datasets(per_dataset: dict[str, list[dict]], seeds: Sequence[int])
     for key in SCALAR_KEYS:
         within_seed = []
         for k in range(len(seeds)):
-            values = [per_dataset[d][k][key] for d in datasets]
-            within_seed.append(None if any(v is None for v in values) else float(np.mean(values)))
+            within_seed.append(_mean_or_none([per_dataset[d][k][key] for d in datasets]))
         out[key] = stat(within_seed)
+    first = per_dataset[datasets[0]][0]["phases"]
+    out["phases"] = [
+        {"name": ph["name"], **{
+            key: stat([_mean_or_none([per_dataset[d][k]["phases"][j][key] for d in datasets])
+                       for k in range(len(seeds))])
+            for key in ("acc", "tokens_per_task", "calls_per_task")}}
+        for j, ph in enumerate(first)
+    ]  # fmt: skip
+    out["agents"] = []  # per-agent outcomes are per dataset
+    out["review_audit"] = {}
     return out
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else float(np.mean(values))

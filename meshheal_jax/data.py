@@ -1,0 +1,549 @@
+"""Benchmark questions for the live backend and `--data-dir` runs (spec/live.md "Datasets").
+
+Every loader maps a benchmark's own rows to `Record(question, task_type, gold, options)`, keeps
+only the task types of the dataset's profile, and fails with a one-line `MeshHealError` naming
+the file, row and field of a malformed row, or the profile task type the data lacks.
+
+- `load_local(dataset, path)`: files in the benchmarks' own layouts (json / jsonl / parquet):
+  BBH a folder of `<task>.json` (`{"examples": [{"input", "target"}]}`, task type = file stem);
+  MATH rows with `problem`, `type` (MATH-500: `subject`) and `answer`, or else the last
+  `\\boxed{...}` of `solution`; MMLU-Pro rows with `question`, `category`, `answer` (a letter,
+  trusted over `answer_index`) and `options` (whitespace stripped).
+- `load_hub(dataset, hub_id=..., split=...)`: the same mapping over Hugging Face `datasets`
+  (optional dependency, imported lazily).
+- `load_sample(dataset)`: the small verbatim sample shipped in `sample_data/` (see its NOTICE.md).
+- `question_pool` + `pick_questions`: turn a stream's (task type, question id) arrays into
+  records: question k of type T is the k-th question of T's pool in a seeded shuffled order;
+  past the end of the pool questions are drawn with replacement, with a flag and a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.topology import Profile, load_profile
+
+DATASETS = ("bbh", "math", "mmlu_pro")
+SAMPLE_DIR = Path(__file__).resolve().parent / "sample_data"
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+# Hugging Face hub defaults (spec/experiments.md: BBH 250 per task, the full MATH test split,
+# the MMLU-Pro test split).
+DEFAULT_HUB_IDS = {"bbh": "lukaemon/bbh", "math": "EleutherAI/hendrycks_math", "mmlu_pro": "TIGER-Lab/MMLU-Pro"}
+DEFAULT_SPLITS = {"bbh": "test", "math": "test", "mmlu_pro": "test"}
+# Hub datasets that keep one config per task type (config name derived from the type name).
+PER_TYPE_CONFIG_HUB_IDS = {"bbh": ("lukaemon/bbh",), "math": ("EleutherAI/hendrycks_math",)}
+
+# File names looked for when `load_local` gets a folder, in order (the folder itself and its
+# <dataset>/ subfolder are searched); BBH instead looks for <task>.json|jsonl|parquet.
+DEFAULT_FILES = {
+    "math": (
+        "math_test_5000_with_answer.jsonl",
+        "math_test_5000.jsonl",
+        "test.jsonl",
+        "test.parquet",
+        "math_test_sample.jsonl",
+    ),
+    "mmlu_pro": (
+        "mmlu_pro_test.jsonl",
+        "test.jsonl",
+        "test.parquet",
+        "mmlu_pro_test_sample.jsonl",
+    ),
+}
+
+MMLU_PRO_LETTERS = "ABCDEFGHIJ"
+QUESTION_SALT = 0xA5C0  # separates question shuffling from stream shuffling (streams.STREAM_SALT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One benchmark question, whatever its source."""
+
+    question: str
+    task_type: str  # a task type name of the dataset's profile
+    gold: str  # BBH target string, MATH answer (LaTeX), MMLU-Pro letter
+    options: tuple[str, ...] | None = None  # MMLU-Pro options; BBH "(A) ..." options parsed from the input
+    uid: str = ""  # stable id: "navigate/3", MATH unique_id or "Algebra/idx:12", "qid:70"
+    source: str = ""  # where it came from, for messages: "file, row 3"
+
+
+# ---------------------------------------------------------------------------------------------
+# Row reading
+
+
+def _row_error(where: str, problem: str) -> MeshHealError:
+    return MeshHealError(f"{where}: {problem}")
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    """(1-based row number, row) of a .jsonl / .json / .parquet file.
+
+    .json: a list of rows, or an object with an `examples` list (BBH); the row number is the
+    position in that list. .jsonl: the line number (blank lines skipped). .parquet: the row.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        try:
+            handle = open(path, encoding="utf-8")
+        except OSError as err:
+            raise MeshHealError(f"cannot read {path}: {err.strerror or err}") from None
+        with handle:
+            # Iterating the file splits on newlines only (str.splitlines would also split on
+            # U+2028 and friends, which occur inside MMLU-Pro strings).
+            for n, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise _row_error(f"{path}, row {n}", f"invalid JSON ({err.msg})") from None
+                if not isinstance(row, dict):
+                    raise _row_error(f"{path}, row {n}", f"expected a JSON object, got {type(row).__name__}")
+                yield n, row
+    elif suffix == ".json":
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as err:
+            raise MeshHealError(f"cannot read {path}: {err.strerror or err}") from None
+        except json.JSONDecodeError as err:
+            raise MeshHealError(f"{path}: invalid JSON at line {err.lineno} ({err.msg})") from None
+        rows = doc.get("examples") if isinstance(doc, dict) else doc
+        if not isinstance(rows, list):
+            raise MeshHealError(f"{path}: expected a list of rows or an object with an 'examples' list")
+        for n, row in enumerate(rows, 1):
+            if not isinstance(row, dict):
+                raise _row_error(f"{path}, row {n}", f"expected a JSON object, got {type(row).__name__}")
+            yield n, row
+    elif suffix == ".parquet":
+        import polars as pl
+
+        try:
+            frame = pl.read_parquet(path)
+        except Exception as err:  # polars raises several types for unreadable files
+            raise MeshHealError(f"cannot read {path} as parquet: {str(err).splitlines()[0]}") from None
+        for n, row in enumerate(frame.iter_rows(named=True), 1):
+            yield n, row
+    else:
+        raise MeshHealError(f"{path}: unsupported file type {suffix or '(none)'}; use json, jsonl or parquet")
+
+
+def _text_field(row: dict, field: str, where: str) -> str:
+    if field not in row or row[field] is None:
+        raise _row_error(where, f"missing field {field!r}")
+    value = row[field]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _row_error(where, f"field {field!r} must be a string, got {type(value).__name__}")
+    text = str(value)
+    if not text.strip():
+        raise _row_error(where, f"field {field!r} is empty")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-benchmark row mapping
+
+_BBH_OPTION = re.compile(r"^\(([A-Z])\)\s?(.*)$")
+
+
+def bbh_options(question: str) -> tuple[str, ...] | None:
+    """The "(A) text" option lines after "Options:" in a BBH input, in letter order, or None."""
+    head, sep, tail = question.rpartition("Options:")
+    if not sep:
+        return None
+    options: list[str] = []
+    for line in tail.strip().split("\n"):
+        match = _BBH_OPTION.match(line.strip())
+        if not match or match.group(1) != chr(ord("A") + len(options)):
+            return None
+        options.append(match.group(2).strip())
+    return tuple(options) or None
+
+
+def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:
+    question = _text_field(row, "input", where)
+    gold = _text_field(row, "target", where).strip()
+    return Record(question, task_type, gold, bbh_options(question), uid, where)
+
+
+def _escaped(text: str, i: int) -> bool:
+    """Whether text[i] is escaped: preceded by an odd number of backslashes (`\\{`, not `\\\\{`)."""
+    n = 0
+    while i - n - 1 >= 0 and text[i - n - 1] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+def last_boxed_span(text: str) -> tuple[int, str] | None:
+    """(start of the `\\boxed`, content) of the last complete `\\boxed{...}` / `\\fbox{...}`.
+
+    Braces are balanced; escaped braces `\\{` `\\}` do not nest. A `\\boxed` whose braces never
+    close is skipped in favour of an earlier complete one. None if there is none.
+    """
+    starts = [(m.start(), m.end()) for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start, content_start in reversed(starts):
+        depth = 1
+        for i in range(content_start, len(text)):
+            ch = text[i]
+            if ch in "{}" and _escaped(text, i):
+                continue
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    return start, text[content_start:i].strip()
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete `\\boxed{...}` in text (balanced braces), or None."""
+    span = last_boxed_span(text)
+    return None if span is None else span[1]
+
+
+def map_math_row(row: dict, where: str) -> Record:
+    question = _text_field(row, "problem", where)
+    type_field = "type" if row.get("type") is not None or row.get("subject") is None else "subject"
+    task_type = _text_field(row, type_field, where).strip()
+    if row.get("answer") is not None and str(row["answer"]).strip():
+        gold = str(row["answer"]).strip()
+    else:
+        if row.get("solution") is None:
+            raise _row_error(where, "missing field 'answer' (and no 'solution' to take its \\boxed{} from)")
+        gold = last_boxed(_text_field(row, "solution", where))
+        if gold is None or not gold:
+            raise _row_error(where, "no 'answer' field and no complete \\boxed{...} in 'solution'")
+    if row.get("unique_id"):
+        uid = str(row["unique_id"])
+    elif row.get("idx") is not None:
+        uid = f"{task_type}/idx:{row['idx']}"
+    else:
+        uid = ""
+    return Record(question, task_type, gold, None, uid, where)
+
+
+def map_mmlu_pro_row(row: dict, where: str) -> Record:
+    question = _text_field(row, "question", where)
+    task_type = _text_field(row, "category", where).strip()
+    letter = _text_field(row, "answer", where).strip().upper()
+    if "options" not in row or row["options"] is None:
+        raise _row_error(where, "missing field 'options'")
+    raw = row["options"]
+    if isinstance(raw, str) or not isinstance(raw, Iterable):
+        raise _row_error(where, f"field 'options' must be a list of strings, got {type(raw).__name__}")
+    raw = list(raw)
+    if not raw or not all(isinstance(o, str) for o in raw):
+        raise _row_error(where, "field 'options' must be a non-empty list of strings")
+    if len(raw) > len(MMLU_PRO_LETTERS):
+        raise _row_error(where, f"field 'options' has {len(raw)} entries, at most {len(MMLU_PRO_LETTERS)} allowed")
+    # Strip: a leading space on the gold option alone would give the answer away (data README).
+    options = tuple(o.strip() for o in raw)
+    if len(letter) != 1 or letter not in MMLU_PRO_LETTERS[: len(options)]:
+        raise _row_error(
+            where, f"field 'answer' = {row['answer']!r} is not one of the letters A-{MMLU_PRO_LETTERS[len(options) - 1]}"
+        )
+    # answer_index is not consulted: the letter is trusted (question 3983 disagrees, the letter is right).
+    uid = f"qid:{row['question_id']}" if row.get("question_id") is not None else ""
+    return Record(question, task_type, letter, options, uid, where)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile filtering
+
+
+def _profile_for(dataset: str, profile: Profile | str | Path | None) -> Profile:
+    if dataset not in DATASETS:
+        raise MeshHealError(f"unknown dataset {dataset!r}; known: {list(DATASETS)}")
+    if profile is None:
+        return load_profile(dataset)
+    if isinstance(profile, Profile):
+        return profile
+    return load_profile(profile)
+
+
+def filter_to_profile(records: Iterable[Record], profile: Profile, source: str) -> list[Record]:
+    """Keep the records of the profile's task types; every task type must have at least one."""
+    wanted = set(profile.task_types)
+    kept: list[Record] = []
+    found: set[str] = set()
+    for rec in records:
+        found.add(rec.task_type)
+        if rec.task_type in wanted:
+            kept.append(rec)
+    missing = [t for t in profile.task_types if t not in found]
+    if missing:
+        listed = sorted(found)
+        shown = ", ".join(repr(t) for t in listed[:20]) + (" ..." if len(listed) > 20 else "")
+        raise MeshHealError(
+            f"{source}: no {profile.dataset} questions of task type {missing[0]!r} required by the profile"
+            f" ({len(missing)} profile type(s) missing: {missing}); task types in the data: [{shown}]"
+        )
+    order = {t: i for i, t in enumerate(profile.task_types)}
+    kept.sort(key=lambda r: order[r.task_type])  # stable: file order within a type
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Local files
+
+
+def _bbh_task_dir(root: Path, tasks: Sequence[str]) -> Path:
+    candidates = [root, root / "bbh", root / "bbh" / "bbh"]
+    for folder in candidates:
+        if folder.is_dir() and any((folder / f"{t}{s}").is_file() for t in tasks for s in DATA_SUFFIXES):
+            return folder
+    raise MeshHealError(
+        f"{root}: no BBH task files found (looked for <task>.json|jsonl|parquet of the profile's task types,"
+        f" e.g. {tasks[0]}.json, in {', '.join(str(c) for c in candidates)})"
+    )
+
+
+def _load_local_bbh(root: Path, profile: Profile) -> list[Record]:
+    if root.is_file():
+        raise MeshHealError(f"{root}: BBH data must be a folder of <task>.json files (task type = file stem)")
+    folder = _bbh_task_dir(root, profile.task_types)
+    records: list[Record] = []
+    for task in profile.task_types:
+        files = [folder / f"{task}{s}" for s in DATA_SUFFIXES if (folder / f"{task}{s}").is_file()]
+        if not files:
+            present = sorted(p.stem for p in folder.iterdir() if p.suffix in DATA_SUFFIXES)
+            raise MeshHealError(
+                f"{folder}: no file for task type {task!r} required by the BBH profile"
+                f" (looked for {task}.json/.jsonl/.parquet); tasks present: {present}"
+            )
+        path = files[0]
+        for n, row in iter_rows(path):
+            records.append(map_bbh_row(row, task, f"{path}, row {n}", uid=f"{task}/{n - 1}"))
+    return records
+
+
+def resolve_data_file(dataset: str, path: Path) -> Path:
+    """The data file for MATH / MMLU-Pro: `path` itself, or a known file name inside the folder."""
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise MeshHealError(f"data path {path} does not exist")
+    folders = [f for f in (path / dataset, path) if f.is_dir()]
+    for name in DEFAULT_FILES[dataset]:
+        for folder in folders:
+            if (folder / name).is_file():
+                return folder / name
+    for folder in folders:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+        if len(files) == 1:
+            return files[0]
+    raise MeshHealError(
+        f"{path}: cannot tell which {dataset} file to load (looked for {', '.join(DEFAULT_FILES[dataset])}"
+        f" in {' and '.join(str(f) for f in folders)}); pass the file itself"
+    )
+
+
+def load_local(
+    dataset: str, path: str | Path, profile: Profile | str | Path | None = None
+) -> list[Record]:
+    """Records of the profile's task types from local files in the benchmark's own layout.
+
+    path: BBH, a folder holding <task>.json files (or its parent, e.g. a data root with bbh/bbh/);
+    MATH / MMLU-Pro, a json/jsonl/parquet file or a folder holding one (see DEFAULT_FILES).
+    """
+    prof = _profile_for(dataset, profile)
+    root = Path(path).expanduser()
+    if dataset == "bbh":
+        return filter_to_profile(_load_local_bbh(root, prof), prof, str(root))
+    file = resolve_data_file(dataset, root)
+    mapper = map_math_row if dataset == "math" else map_mmlu_pro_row
+    records = [mapper(row, f"{file}, row {n}") for n, row in iter_rows(file)]
+    return filter_to_profile(records, prof, str(file))
+
+
+def load_sample(dataset: str, profile: Profile | str | Path | None = None) -> list[Record]:
+    """The small verbatim sample shipped with the package (sample_data/NOTICE.md)."""
+    return load_local(dataset, SAMPLE_DIR, profile)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face hub
+
+
+def hub_config_name(task_type: str) -> str:
+    """Hub config of a task type for per-type hub datasets: 'Counting & Probability' ->
+    'counting_and_probability' (EleutherAI/hendrycks_math); BBH task names are unchanged."""
+    return re.sub(r"\s+", "_", task_type.strip().lower().replace("&", "and"))
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise MeshHealError(
+            "loading from the Hugging Face hub needs the optional 'datasets' package:"
+            " pip install -e .[live]  (or pass local files with --data-dir)"
+        ) from None
+    return datasets
+
+
+def _hub_rows(datasets_module, hub_id: str, config: str | None, split: str, **kwargs) -> Iterator[tuple[int, dict]]:
+    where = f"{hub_id}" + (f" config {config!r}" if config else "") + f" split {split!r}"
+    try:
+        table = datasets_module.load_dataset(hub_id, config, split=split, **kwargs)
+    except Exception as err:  # network, auth, missing config/split: all one message
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise MeshHealError(f"cannot load {where} from the Hugging Face hub: {first}") from None
+    for n, row in enumerate(table, 1):
+        yield n, dict(row)
+
+
+def load_hub(
+    dataset: str,
+    hub_id: str | None = None,
+    split: str | None = None,
+    profile: Profile | str | Path | None = None,
+    config: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> list[Record]:
+    """Records of the profile's task types from the Hugging Face hub (needs `datasets`).
+
+    Defaults: BBH `lukaemon/bbh` (one config per task, split test); MATH
+    `EleutherAI/hendrycks_math` (one config per subject, split test: the 5,000-problem test
+    split); MMLU-Pro `TIGER-Lab/MMLU-Pro` (split test). Other hub ids are loaded as one table
+    (`config` optional) with the same field mapping as local files, e.g. HuggingFaceH4/MATH-500.
+    """
+    prof = _profile_for(dataset, profile)
+    hub_id = hub_id or DEFAULT_HUB_IDS[dataset]
+    split = split or DEFAULT_SPLITS[dataset]
+    datasets_module = _import_datasets()
+    kwargs = {k: v for k, v in (("revision", revision), ("cache_dir", cache_dir)) if v is not None}
+    per_type = config is None and (dataset == "bbh" or hub_id in PER_TYPE_CONFIG_HUB_IDS.get(dataset, ()))
+    records: list[Record] = []
+    if per_type:
+        for task in prof.task_types:
+            name = task if dataset == "bbh" else hub_config_name(task)
+            for n, row in _hub_rows(datasets_module, hub_id, name, split, **kwargs):
+                where = f"hub {hub_id}/{name}[{split}], row {n}"
+                if dataset == "bbh":
+                    records.append(map_bbh_row(row, task, where, uid=f"{task}/{n - 1}"))
+                else:
+                    records.append(map_math_row(row, where))
+    else:
+        if dataset == "bbh":
+            raise MeshHealError(
+                f"BBH from the hub is read one config per task (as in lukaemon/bbh); got config={config!r}"
+            )
+        mapper = map_math_row if dataset == "math" else map_mmlu_pro_row
+        for n, row in _hub_rows(datasets_module, hub_id, config, split, **kwargs):
+            records.append(mapper(row, f"hub {hub_id}[{split}], row {n}"))
+    return filter_to_profile(records, prof, f"hub {hub_id}[{split}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Question pools and stream picking
+
+
+def question_pool(records: Iterable[Record], task_types: Sequence[str]) -> tuple[tuple[Record, ...], ...]:
+    """Per task type (in the given order, i.e. the stream's type indices) its records, in input order."""
+    index = {t: i for i, t in enumerate(task_types)}
+    if len(index) != len(task_types):
+        raise MeshHealError(f"task types must be distinct: {list(task_types)}")
+    pools: list[list[Record]] = [[] for _ in task_types]
+    for rec in records:
+        if rec.task_type in index:
+            pools[index[rec.task_type]].append(rec)
+    empty = [t for t, p in zip(task_types, pools) if not p]
+    if empty:
+        raise MeshHealError(f"no questions of task type {empty[0]!r} in the pool (empty types: {empty})")
+    return tuple(tuple(p) for p in pools)
+
+
+class QuestionPoolWarning(UserWarning):
+    """A stream needs more questions of a type than the pool holds: drawn with replacement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionPick:
+    records: tuple[Record, ...]  # (N,) the question of every task
+    pool_index: np.ndarray  # (N,) int32: index of the question in its type's pool
+    with_replacement: bool  # some type needed more questions than its pool holds
+    needed: np.ndarray  # (T,) int64: questions of each type the stream asks for (max id + 1)
+    available: np.ndarray  # (T,) int64: pool size of each type
+    short_types: tuple[str, ...]  # types drawn with replacement
+
+
+def question_order(pool_size: int, needed: int, seed: int, dataset_id: int, task_type: int) -> np.ndarray:
+    """Pool indices of question ids 0..needed-1 of one type (int64, shape (needed,)).
+
+    Ids below the pool size follow a seeded permutation (no repeats); ids past it are drawn
+    uniformly with replacement from a second seeded generator. Both depend only on (seed,
+    dataset_id, task_type), so the prefix a shorter stream uses is the same in a longer one.
+    """
+    perm = np.random.default_rng([QUESTION_SALT, seed, dataset_id, task_type, 0]).permutation(pool_size)
+    if needed <= pool_size:
+        return perm[:needed]
+    extra = np.random.default_rng([QUESTION_SALT, seed, dataset_id, task_type, 1]).integers(
+        0, pool_size, size=needed - pool_size
+    )
+    return np.concatenate([perm, extra])
+
+
+def pick_questions(
+    pool: Sequence[Sequence[Record]],
+    task_type: np.ndarray,
+    question: np.ndarray,
+    seed: int,
+    dataset_id: int = 0,
+    warn: bool = True,
+) -> QuestionPick:
+    """The record of every task of a stream (streams.Stream.task_type / .question arrays).
+
+    Question id k of type T is the k-th question of T in a seeded shuffled order of T's pool
+    (seeded by seed, dataset_id and T, so methods sharing a seed get the same questions). When
+    the stream needs more questions of T than the pool holds, the ids past the pool are drawn
+    with replacement: `with_replacement` is set, `short_types` names the types and, unless
+    warn=False, a QuestionPoolWarning says so.
+    """
+    task_type = np.asarray(task_type)
+    question = np.asarray(question)
+    if task_type.ndim != 1 or task_type.shape != question.shape:
+        raise MeshHealError(
+            f"task_type and question must be 1-D arrays of one length, got shapes {task_type.shape} and {question.shape}"
+        )
+    if seed < 0:
+        raise MeshHealError(f"seeds must be >= 0, got {seed}")
+    n_types = len(pool)
+    if task_type.size and (task_type.min() < 0 or task_type.max() >= n_types):
+        raise MeshHealError(f"task type indices must lie in 0..{n_types - 1}, got {task_type.min()}..{task_type.max()}")
+    if question.size and question.min() < 0:
+        raise MeshHealError(f"question ids must be >= 0, got {question.min()}")
+    available = np.array([len(p) for p in pool], dtype=np.int64)
+    if (available == 0).any():
+        raise MeshHealError(f"the pool of task type index {int(np.argmin(available))} is empty")
+    needed = np.zeros(n_types, dtype=np.int64)
+    np.maximum.at(needed, task_type.astype(np.int64), question.astype(np.int64) + 1)
+    pool_index = np.zeros(task_type.shape, dtype=np.int32)
+    for t in range(n_types):
+        mask = task_type == t
+        if not mask.any():
+            continue
+        order = question_order(int(available[t]), int(needed[t]), seed, dataset_id, t)
+        pool_index[mask] = order[question[mask]]
+    short = np.flatnonzero(needed > available)
+    short_types = tuple(pool[t][0].task_type for t in short)
+    if len(short) and warn:
+        detail = "; ".join(f"{pool[t][0].task_type!r}: needs {needed[t]}, pool holds {available[t]}" for t in short)
+        warnings.warn(
+            f"stream needs more questions than the pool holds, drawing with replacement past the pool ({detail})",
+            QuestionPoolWarning,
+            stacklevel=2,
+        )
+    records = tuple(pool[int(t)][int(i)] for t, i in zip(task_type, pool_index))
+    return QuestionPick(records, pool_index, bool(len(short)), needed, available, short_types)

@@ -1,0 +1,282 @@
+"""Scoring a model's final answer against the benchmark's gold (spec/live.md "Scoring").
+
+- BBH: exact match after normalisation; an option target "(B)" also accepts "B", "B)", "(B) text"
+  and the option's own text; literal targets ("Yes", "True", "15", "] ) }") match case- and
+  space-insensitively, numbers also numerically.
+- MATH: mathematical equivalence (the `math-verify` library, optional: `pip install -e .[live]`)
+  of the last `\\boxed{...}` / `RESULT:` answer with the gold answer.
+- MMLU-Pro: the chosen letter (A-J) against the gold letter.
+- A missing or unparsable answer is incorrect; `judge` says which (`Judgement.status`).
+
+The answer is taken from the text's last `RESULT:` line or last `\\boxed{...}`, whichever comes
+later; BBH and MMLU-Pro fall back to the benchmarks' own "the answer is X" convention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import threading
+
+from meshheal_jax.data import MMLU_PRO_LETTERS, last_boxed, last_boxed_span
+from meshheal_jax.errors import MeshHealError
+
+SCORED_DATASETS = ("bbh", "math", "mmlu_pro")
+
+# Judgement.status values
+OK = "ok"  # an answer was found and compared (correct or not)
+NO_ANSWER = "no_answer"  # no RESULT:, \boxed{} or "answer is" in the text
+UNPARSABLE = "unparsable"  # an answer was found but is not of the gold's kind (no letter, no expression)
+INVALID_OPTION = "invalid_option"  # a letter outside the question's options
+STATUSES = (OK, NO_ANSWER, UNPARSABLE, INVALID_OPTION)
+
+MATH_TIMEOUT_S = 5  # math-verify's own per-call limit (signal based: main thread only)
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    correct: bool
+    status: str  # one of STATUSES; correct implies OK
+    answer: str | None  # the extracted answer (for BBH / MMLU-Pro options: the letter, e.g. "B")
+
+
+def _check_dataset(dataset: str) -> None:
+    if dataset not in SCORED_DATASETS:
+        raise MeshHealError(f"cannot score dataset {dataset!r}; known: {list(SCORED_DATASETS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer extraction
+
+_RESULT_ANYWHERE = re.compile(r"RESULT\s*:")
+_RESULT_LINE_START = re.compile(r"(?im)^[ \t*_#>`-]*result\s*:")
+_ANSWER_IS = re.compile(r"(?i)\banswer\s+is\s*:?\s*")
+_ANSWER_PREFIX = re.compile(r"(?i)^(?:the\s+)?(?:final\s+)?answer\b\s*(?:is\b\s*)?[:=]?\s*")
+_MARKUP = " \t\r\n*_`"
+
+
+def _result_span(text: str) -> tuple[int, str] | None:
+    """(position, content) of the last RESULT: line; content continues on the next line if empty."""
+    last = None
+    for pattern in (_RESULT_ANYWHERE, _RESULT_LINE_START):
+        for match in pattern.finditer(text):
+            if last is None or match.start() > last.start():
+                last = match
+    if last is None:
+        return None
+    rest = text[last.end():]
+    line, _, after = rest.partition("\n")
+    if not line.strip(_MARKUP):
+        line = next((candidate for candidate in after.split("\n") if candidate.strip(_MARKUP)), "")
+    return last.start(), line
+
+
+def _strip_wrappers(answer: str) -> str:
+    """Remove markup around an answer: spaces, markdown, $..$, \\(..\\), \\[..\\], a final period."""
+    previous = None
+    while answer != previous:
+        previous = answer
+        answer = answer.strip().strip(_MARKUP).strip()
+        if answer.endswith(".") and not answer.endswith(".."):  # a final period, not an ellipsis
+            answer = answer[:-1].rstrip()
+        for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+            if answer.startswith(left) and answer.endswith(right) and len(answer) >= len(left) + len(right):
+                answer = answer[len(left): len(answer) - len(right)]
+                break
+        if answer.endswith("$") and answer.count("$") == 1:
+            answer = answer[:-1]
+        if answer.startswith("$") and answer.count("$") == 1:
+            answer = answer[1:]
+    return answer.strip()
+
+
+def extract_answer(dataset: str, text: str | None) -> str | None:
+    """The final answer written in a model's text, or None when it states none.
+
+    The last `RESULT:` line or the last `\\boxed{...}`, whichever comes later (a boxed inside a
+    RESULT line gives its content); for BBH and MMLU-Pro, failing both, the text after the
+    last "answer is" (the benchmarks' own chain-of-thought convention). Markup around the
+    answer ($..$, **..**, a final period) is removed.
+    """
+    _check_dataset(dataset)
+    if not text:
+        return None
+    found = [span for span in (_result_span(text), last_boxed_span(text)) if span is not None]
+    if found:
+        _, answer = max(found, key=lambda span: span[0])
+        boxed = last_boxed(answer)
+        if boxed is not None:
+            answer = boxed
+    elif dataset != "math":
+        matches = list(_ANSWER_IS.finditer(text))
+        if not matches:
+            return None
+        answer = text[matches[-1].end():].split("\n", 1)[0]
+    else:
+        return None
+    answer = _strip_wrappers(_ANSWER_PREFIX.sub("", _strip_wrappers(answer), count=1))
+    return answer or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Option letters (BBH options, MMLU-Pro)
+
+_LETTER_PREFIX = re.compile(r"(?i)^(?:the\s+)?(?:final\s+|correct\s+)?(?:answer|option|choice)\s*(?:is)?\s*[:\-]?\s*")
+_LETTER_PAREN = re.compile(r"^[(\[]([A-Za-z])[)\]]")
+_LETTER_BARE = re.compile(r"^([A-Za-z])(?:[).:]|$)")
+
+
+def _normalise_text(text: str) -> str:
+    text = _strip_wrappers(text)
+    text = text.strip("\"'“”‘’").strip()
+    text = re.sub(r"\s+", " ", text)
+    return text.rstrip(".!").strip().casefold()
+
+
+def option_letter(answer: str, options: tuple[str, ...] | None = None, letters: str = MMLU_PRO_LETTERS) -> str | None:
+    """The option letter an answer names ("(B)", "B", "B)", "B. text", "Option B", "\\text{(B)}"),
+    or, failing that, the letter of the one option whose text it equals; None otherwise."""
+    candidate = _strip_wrappers(answer)
+    candidate = re.sub(r"^\\text\{(.*)\}$", r"\1", candidate).strip()
+    candidate = _LETTER_PREFIX.sub("", candidate, count=1).strip()
+    for pattern in (_LETTER_PAREN, _LETTER_BARE):
+        match = pattern.match(candidate)
+        if match and match.group(1).upper() in letters:
+            return match.group(1).upper()
+    if options:
+        wanted = _normalise_text(answer)
+        hits = [i for i, option in enumerate(options) if _normalise_text(option) == wanted]
+        if len(hits) == 1 and hits[0] < len(letters):
+            return letters[hits[0]]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-dataset judges
+
+_BBH_OPTION_TARGET = re.compile(r"^\(([A-Z])\)$")
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _judge_bbh(text: str | None, gold: str, options: tuple[str, ...] | None) -> Judgement:
+    answer = extract_answer("bbh", text)
+    if answer is None:
+        return Judgement(False, NO_ANSWER, None)
+    target = gold.strip()
+    option_target = _BBH_OPTION_TARGET.match(target)
+    if option_target:
+        letter = option_letter(answer, options, letters="ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        if letter is None:
+            return Judgement(False, UNPARSABLE, answer)
+        if options is not None and ord(letter) - ord("A") >= len(options):
+            return Judgement(False, INVALID_OPTION, letter)
+        return Judgement(letter == option_target.group(1), OK, letter)
+    predicted, wanted = _normalise_text(answer), _normalise_text(target)
+    if predicted == wanted:
+        return Judgement(True, OK, answer)
+    a, b = _as_number(predicted), _as_number(wanted)
+    return Judgement(a is not None and b is not None and a == b, OK, answer)
+
+
+def _judge_mmlu_pro(text: str | None, gold: str, options: tuple[str, ...] | None) -> Judgement:
+    gold_letter = gold.strip().upper()
+    if len(gold_letter) != 1 or gold_letter not in MMLU_PRO_LETTERS:
+        raise MeshHealError(f"MMLU-Pro gold answer must be a letter A-J, got {gold!r}")
+    answer = extract_answer("mmlu_pro", text)
+    if answer is None:
+        return Judgement(False, NO_ANSWER, None)
+    letter = option_letter(answer, options)
+    if letter is None:
+        return Judgement(False, UNPARSABLE, answer)
+    if options is not None and MMLU_PRO_LETTERS.index(letter) >= len(options):
+        return Judgement(False, INVALID_OPTION, letter)
+    return Judgement(letter == gold_letter, OK, letter)
+
+
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise MeshHealError(
+            "scoring MATH answers needs the optional 'math-verify' package: pip install -e .[live]"
+            "  (or pip install math-verify)"
+        ) from None
+    return math_verify
+
+
+def _timeout() -> int | None:
+    # math-verify's timeouts use signal.alarm, which only works in the main thread; elsewhere
+    # (a worker thread of the live backend) it must run without one.
+    return MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse_math(expression: str) -> list:
+    """math-verify's parse of one answer expression (given without $ or \\boxed), [] if unparsable."""
+    mv = _math_verify()
+    config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    parsed = mv.parse("\\boxed{" + expression + "}", config, parsing_timeout=_timeout())
+    if not parsed:  # plain-text forms latex parsing misses, e.g. "1/2 + x" without braces
+        parsed = mv.parse(expression, [mv.ExprExtractionConfig()], parsing_timeout=_timeout())
+    return parsed
+
+
+def _is_expression(parsed) -> bool:
+    return not isinstance(parsed, str)
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_gold(gold: str) -> tuple:
+    return tuple(_parse_math(gold))
+
+
+def _judge_math(text: str | None, gold: str) -> Judgement:
+    mv = _math_verify()
+    answer = extract_answer("math", text)
+    if answer is None:
+        return Judgement(False, NO_ANSWER, None)
+    predicted = _parse_math(answer)
+    gold_parsed = list(_parse_gold(gold.strip()))
+    if not any(_is_expression(x) for x in gold_parsed):
+        # a gold math-verify cannot read as mathematics: fall back to its exact text
+        same_text = _normalise_text(answer) == _normalise_text(gold)
+        return Judgement(same_text, OK if same_text or predicted else UNPARSABLE, answer)
+    if not any(_is_expression(x) for x in predicted):
+        # parse() hands back the raw string when it cannot build an expression: unparsable
+        return Judgement(False, UNPARSABLE, answer)
+    correct = mv.verify(gold_parsed, predicted, timeout_seconds=_timeout())
+    return Judgement(bool(correct), OK, answer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def judge(
+    dataset: str, prediction_text: str | None, gold: str, options: tuple[str, ...] | list[str] | None = None
+) -> Judgement:
+    """Whether the final answer in `prediction_text` is correct, with the parse status and the
+    extracted answer. `options`: the record's options (MMLU-Pro; BBH lettered options), used to
+    reject out-of-range letters and to accept an answer that quotes an option's text."""
+    _check_dataset(dataset)
+    if gold is None or not str(gold).strip():
+        raise MeshHealError(f"{dataset}: empty gold answer")
+    options = tuple(options) if options is not None else None
+    if dataset == "bbh":
+        return _judge_bbh(prediction_text, str(gold), options)
+    if dataset == "mmlu_pro":
+        return _judge_mmlu_pro(prediction_text, str(gold), options)
+    return _judge_math(prediction_text, str(gold))
+
+
+def score(
+    dataset: str, prediction_text: str | None, gold: str, options: tuple[str, ...] | list[str] | None = None
+) -> bool:
+    """True when the final answer in `prediction_text` matches `gold`; unparsable or missing = False."""
+    return judge(dataset, prediction_text, gold, options).correct
