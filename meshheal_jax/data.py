@@ -37,7 +37,11 @@ DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 # Hugging Face hub defaults (spec/experiments.md: BBH 250 per task, the full MATH test split,
 # the MMLU-Pro test split).
-DEFAULT_HUB_IDS = {"bbh": "lukaemon/bbh", "math": "EleutherAI/hendrycks_math", "mmlu_pro": "TIGER-Lab/MMLU-Pro"}
+DEFAULT_HUB_IDS = {
+    "bbh": "lukaemon/bbh",
+    "math": "EleutherAI/hendrycks_math",
+    "mmlu_pro": "TIGER-Lab/MMLU-Pro",
+}
 DEFAULT_SPLITS = {"bbh": "test", "math": "test", "mmlu_pro": "test"}
 # Hub datasets that keep one config per task type (config name derived from the type name).
 PER_TYPE_CONFIG_HUB_IDS = {"bbh": ("lukaemon/bbh",), "math": ("EleutherAI/hendrycks_math",)}
@@ -72,7 +76,7 @@ class Record:
     task_type: str  # a task type name of the dataset's profile
     gold: str  # BBH target string, MATH answer (LaTeX), MMLU-Pro letter
     options: tuple[str, ...] | None = None  # MMLU-Pro options; BBH "(A) ..." options parsed from the input
-    uid: str = ""  # stable id: "navigate/3", MATH unique_id or "Algebra/idx:12", "qid:70"
+    uid: str = ""  # stable id: "navigate/3", MATH unique_id or "Algebra/idx:12", "qid:70", else "file:row"
     source: str = ""  # where it came from, for messages: "file, row 3"
 
 
@@ -94,22 +98,21 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         try:
-            handle = open(path, encoding="utf-8")
+            lines = path.read_text(encoding="utf-8").split("\n")
         except OSError as err:
             raise MeshHealError(f"cannot read {path}: {err.strerror or err}") from None
-        with handle:
-            # Iterating the file splits on newlines only (str.splitlines would also split on
-            # U+2028 and friends, which occur inside MMLU-Pro strings).
-            for n, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise _row_error(f"{path}, row {n}", f"invalid JSON ({err.msg})") from None
-                if not isinstance(row, dict):
-                    raise _row_error(f"{path}, row {n}", f"expected a JSON object, got {type(row).__name__}")
-                yield n, row
+        # split on "\n" only: str.splitlines would also split on U+2028 and friends, which occur
+        # inside MMLU-Pro strings
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise _row_error(f"{path}, row {n}", f"invalid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise _row_error(f"{path}, row {n}", f"expected a JSON object, got {type(row).__name__}")
+            yield n, row
     elif suffix == ".json":
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
@@ -129,7 +132,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
 
         try:
             frame = pl.read_parquet(path)
-        except Exception as err:  # polars raises several types for unreadable files
+        except Exception as err:  # noqa: BLE001 - polars raises several types for unreadable files
             raise MeshHealError(f"cannot read {path} as parquet: {str(err).splitlines()[0]}") from None
         for n, row in enumerate(frame.iter_rows(named=True), 1):
             yield n, row
@@ -157,7 +160,7 @@ _BBH_OPTION = re.compile(r"^\(([A-Z])\)\s?(.*)$")
 
 def bbh_options(question: str) -> tuple[str, ...] | None:
     """The "(A) text" option lines after "Options:" in a BBH input, in letter order, or None."""
-    head, sep, tail = question.rpartition("Options:")
+    _, sep, tail = question.rpartition("Options:")
     if not sep:
         return None
     options: list[str] = []
@@ -211,7 +214,7 @@ def last_boxed(text: str) -> str | None:
     return None if span is None else span[1]
 
 
-def map_math_row(row: dict, where: str) -> Record:
+def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     question = _text_field(row, "problem", where)
     type_field = "type" if row.get("type") is not None or row.get("subject") is None else "subject"
     task_type = _text_field(row, type_field, where).strip()
@@ -228,11 +231,11 @@ def map_math_row(row: dict, where: str) -> Record:
     elif row.get("idx") is not None:
         uid = f"{task_type}/idx:{row['idx']}"
     else:
-        uid = ""
+        uid = fallback_uid
     return Record(question, task_type, gold, None, uid, where)
 
 
-def map_mmlu_pro_row(row: dict, where: str) -> Record:
+def map_mmlu_pro_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     question = _text_field(row, "question", where)
     task_type = _text_field(row, "category", where).strip()
     letter = _text_field(row, "answer", where).strip().upper()
@@ -245,15 +248,16 @@ def map_mmlu_pro_row(row: dict, where: str) -> Record:
     if not raw or not all(isinstance(o, str) for o in raw):
         raise _row_error(where, "field 'options' must be a non-empty list of strings")
     if len(raw) > len(MMLU_PRO_LETTERS):
-        raise _row_error(where, f"field 'options' has {len(raw)} entries, at most {len(MMLU_PRO_LETTERS)} allowed")
+        raise _row_error(
+            where, f"field 'options' has {len(raw)} entries, at most {len(MMLU_PRO_LETTERS)} allowed"
+        )
     # Strip: a leading space on the gold option alone would give the answer away (data README).
     options = tuple(o.strip() for o in raw)
     if len(letter) != 1 or letter not in MMLU_PRO_LETTERS[: len(options)]:
-        raise _row_error(
-            where, f"field 'answer' = {row['answer']!r} is not one of the letters A-{MMLU_PRO_LETTERS[len(options) - 1]}"
-        )
+        last = MMLU_PRO_LETTERS[len(options) - 1]
+        raise _row_error(where, f"field 'answer' = {row['answer']!r} is not one of the letters A-{last}")
     # answer_index is not consulted: the letter is trusted (question 3983 disagrees, the letter is right).
-    uid = f"qid:{row['question_id']}" if row.get("question_id") is not None else ""
+    uid = f"qid:{row['question_id']}" if row.get("question_id") is not None else fallback_uid
     return Record(question, task_type, letter, options, uid, where)
 
 
@@ -348,9 +352,7 @@ def resolve_data_file(dataset: str, path: Path) -> Path:
     )
 
 
-def load_local(
-    dataset: str, path: str | Path, profile: Profile | str | Path | None = None
-) -> list[Record]:
+def load_local(dataset: str, path: str | Path, profile: Profile | str | Path | None = None) -> list[Record]:
     """Records of the profile's task types from local files in the benchmark's own layout.
 
     path: BBH, a folder holding <task>.json files (or its parent, e.g. a data root with bbh/bbh/);
@@ -362,7 +364,7 @@ def load_local(
         return filter_to_profile(_load_local_bbh(root, prof), prof, str(root))
     file = resolve_data_file(dataset, root)
     mapper = map_math_row if dataset == "math" else map_mmlu_pro_row
-    records = [mapper(row, f"{file}, row {n}") for n, row in iter_rows(file)]
+    records = [mapper(row, f"{file}, row {n}", f"{file.name}:{n}") for n, row in iter_rows(file)]
     return filter_to_profile(records, prof, str(file))
 
 
@@ -392,11 +394,13 @@ def _import_datasets():
     return datasets
 
 
-def _hub_rows(datasets_module, hub_id: str, config: str | None, split: str, **kwargs) -> Iterator[tuple[int, dict]]:
+def _hub_rows(
+    datasets_module, hub_id: str, config: str | None, split: str, **kwargs
+) -> Iterator[tuple[int, dict]]:
     where = f"{hub_id}" + (f" config {config!r}" if config else "") + f" split {split!r}"
     try:
         table = datasets_module.load_dataset(hub_id, config, split=split, **kwargs)
-    except Exception as err:  # network, auth, missing config/split: all one message
+    except Exception as err:  # noqa: BLE001 - network, auth, missing config/split: one message
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise MeshHealError(f"cannot load {where} from the Hugging Face hub: {first}") from None
     for n, row in enumerate(table, 1):
@@ -434,7 +438,7 @@ def load_hub(
                 if dataset == "bbh":
                     records.append(map_bbh_row(row, task, where, uid=f"{task}/{n - 1}"))
                 else:
-                    records.append(map_math_row(row, where))
+                    records.append(map_math_row(row, where, fallback_uid=f"{name}/{n - 1}"))
     else:
         if dataset == "bbh":
             raise MeshHealError(
@@ -442,7 +446,7 @@ def load_hub(
             )
         mapper = map_math_row if dataset == "math" else map_mmlu_pro_row
         for n, row in _hub_rows(datasets_module, hub_id, config, split, **kwargs):
-            records.append(mapper(row, f"hub {hub_id}[{split}], row {n}"))
+            records.append(mapper(row, f"hub {hub_id}[{split}], row {n}", f"{hub_id}:{n}"))
     return filter_to_profile(records, prof, f"hub {hub_id}[{split}]")
 
 
@@ -515,13 +519,16 @@ def pick_questions(
     question = np.asarray(question)
     if task_type.ndim != 1 or task_type.shape != question.shape:
         raise MeshHealError(
-            f"task_type and question must be 1-D arrays of one length, got shapes {task_type.shape} and {question.shape}"
+            "task_type and question must be 1-D arrays of one length,"
+            f" got shapes {task_type.shape} and {question.shape}"
         )
     if seed < 0:
         raise MeshHealError(f"seeds must be >= 0, got {seed}")
     n_types = len(pool)
     if task_type.size and (task_type.min() < 0 or task_type.max() >= n_types):
-        raise MeshHealError(f"task type indices must lie in 0..{n_types - 1}, got {task_type.min()}..{task_type.max()}")
+        raise MeshHealError(
+            f"task type indices must lie in 0..{n_types - 1}, got {task_type.min()}..{task_type.max()}"
+        )
     if question.size and question.min() < 0:
         raise MeshHealError(f"question ids must be >= 0, got {question.min()}")
     available = np.array([len(p) for p in pool], dtype=np.int64)
@@ -539,9 +546,12 @@ def pick_questions(
     short = np.flatnonzero(needed > available)
     short_types = tuple(pool[t][0].task_type for t in short)
     if len(short) and warn:
-        detail = "; ".join(f"{pool[t][0].task_type!r}: needs {needed[t]}, pool holds {available[t]}" for t in short)
+        detail = "; ".join(
+            f"{pool[t][0].task_type!r}: needs {needed[t]}, pool holds {available[t]}" for t in short
+        )
         warnings.warn(
-            f"stream needs more questions than the pool holds, drawing with replacement past the pool ({detail})",
+            f"stream needs more questions than the pool holds: drawing with replacement past the pool"
+            f" ({detail})",
             QuestionPoolWarning,
             stacklevel=2,
         )

@@ -65,7 +65,7 @@ def _result_span(text: str) -> tuple[int, str] | None:
                 last = match
     if last is None:
         return None
-    rest = text[last.end():]
+    rest = text[last.end() :]
     line, _, after = rest.partition("\n")
     if not line.strip(_MARKUP):
         line = next((candidate for candidate in after.split("\n") if candidate.strip(_MARKUP)), "")
@@ -82,7 +82,7 @@ def _strip_wrappers(answer: str) -> str:
             answer = answer[:-1].rstrip()
         for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
             if answer.startswith(left) and answer.endswith(right) and len(answer) >= len(left) + len(right):
-                answer = answer[len(left): len(answer) - len(right)]
+                answer = answer[len(left) : len(answer) - len(right)]
                 break
         if answer.endswith("$") and answer.count("$") == 1:
             answer = answer[:-1]
@@ -112,7 +112,7 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
         matches = list(_ANSWER_IS.finditer(text))
         if not matches:
             return None
-        answer = text[matches[-1].end():].split("\n", 1)[0]
+        answer = text[matches[-1].end() :].split("\n", 1)[0]
     else:
         return None
     answer = _strip_wrappers(_ANSWER_PREFIX.sub("", _strip_wrappers(answer), count=1))
@@ -122,7 +122,9 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Option letters (BBH options, MMLU-Pro)
 
-_LETTER_PREFIX = re.compile(r"(?i)^(?:the\s+)?(?:final\s+|correct\s+)?(?:answer|option|choice)\s*(?:is)?\s*[:\-]?\s*")
+_LETTER_PREFIX = re.compile(
+    r"(?i)^(?:the\s+)?(?:final\s+|correct\s+)?(?:answer|option|choice)\s*(?:is)?\s*[:\-]?\s*"
+)
 _LETTER_PAREN = re.compile(r"^[(\[]([A-Za-z])[)\]]")
 _LETTER_BARE = re.compile(r"^([A-Za-z])(?:[).:]|$)")
 
@@ -134,7 +136,9 @@ def _normalise_text(text: str) -> str:
     return text.rstrip(".!").strip().casefold()
 
 
-def option_letter(answer: str, options: tuple[str, ...] | None = None, letters: str = MMLU_PRO_LETTERS) -> str | None:
+def option_letter(
+    answer: str, options: tuple[str, ...] | None = None, letters: str = MMLU_PRO_LETTERS
+) -> str | None:
     """The option letter an answer names ("(B)", "B", "B)", "B. text", "Option B", "\\text{(B)}"),
     or, failing that, the letter of the one option whose text it equals; None otherwise."""
     candidate = _strip_wrappers(answer)
@@ -237,6 +241,18 @@ def _parse_gold(gold: str) -> tuple:
 
 
 def _judge_math(text: str | None, gold: str) -> Judgement:
+    try:
+        return _judge_math_unguarded(text, gold)
+    except ValueError as err:
+        if "thread" not in str(err):
+            raise
+        # math-verify before 0.8 has no way to run without its signal-based timeouts
+        raise MeshHealError(
+            "this math-verify cannot score outside the main thread: pip install -U 'math-verify>=0.8'"
+        ) from None
+
+
+def _judge_math_unguarded(text: str | None, gold: str) -> Judgement:
     mv = _math_verify()
     answer = extract_answer("math", text)
     if answer is None:

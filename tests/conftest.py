@@ -27,8 +27,3 @@ def bbh_doc(packaged_docs) -> dict:
 @pytest.fixture(scope="session")
 def bbh_profile() -> topology.Profile:
     return topology.load_profile("bbh")
-
-
-@pytest.fixture(scope="session")
-def math_profile() -> topology.Profile:
-    return topology.load_profile("math")

@@ -56,6 +56,7 @@ def test_sample_covers_every_profile_task_type(dataset):
     assert set(counts) == set(PROFILE_TYPES[dataset])
     assert min(counts.values()) >= 4
     assert all(r.question.strip() and r.gold.strip() and r.source for r in records)
+    assert len({r.uid for r in records}) == len(records)
     # records come grouped in profile order
     assert [r.task_type for r in records] == sorted(
         (r.task_type for r in records), key=PROFILE_TYPES[dataset].index
@@ -68,8 +69,12 @@ def test_sample_is_small_and_carries_its_notice():
     notice = (data.SAMPLE_DIR / "NOTICE.md").read_text()
     for needle in ("BIG-Bench-Hard", "MIT", "Apache-2.0", "MMLU-Pro", "MATH-500", "Hendrycks"):
         assert needle in notice
-    for licence in ("bbh/LICENSE", "math/LICENSE.prm800k", "math/LICENSE.math-evaluation-harness",
-                    "mmlu_pro/LICENSE.TIGER-AI-Lab-MMLU-Pro.Apache-2.0"):
+    for licence in (
+        "bbh/LICENSE",
+        "math/LICENSE.prm800k",
+        "math/LICENSE.math-evaluation-harness",
+        "mmlu_pro/LICENSE.TIGER-AI-Lab-MMLU-Pro.Apache-2.0",
+    ):
         assert (data.SAMPLE_DIR / licence).is_file()
 
 
@@ -164,12 +169,18 @@ def test_shared_math_full_split_and_boxed_extraction():
     records = data.load_local("math", SHARED_DATA)  # a folder: the full test split with answers
     assert len(records) == 5000
     assert Counter(r.task_type for r in records) == {
-        "Algebra": 1187, "Intermediate Algebra": 903, "Prealgebra": 871, "Precalculus": 546,
-        "Number Theory": 540, "Geometry": 479, "Counting & Probability": 474,
+        "Algebra": 1187,
+        "Intermediate Algebra": 903,
+        "Prealgebra": 871,
+        "Precalculus": 546,
+        "Number Theory": 540,
+        "Geometry": 479,
+        "Counting & Probability": 474,
     }
     # the verbatim file has no `answer`: the balanced last \boxed{} must give the same golds
     raw = data.load_local("math", SHARED_DATA / "math" / "math_test_5000.jsonl")
     assert [r.gold for r in raw] == [r.gold for r in records]
+    assert len({r.uid for r in raw}) == 5000
     assert any("{" in r.gold for r in raw)  # nested braces were exercised
     math500 = data.load_local("math", SHARED_DATA / "math" / "math500_test.jsonl")
     assert len(math500) == 500 and Counter(r.task_type for r in math500)["Geometry"] == 41
@@ -179,10 +190,18 @@ def test_shared_math_full_split_and_boxed_extraction():
 def test_shared_mmlu_pro_test_and_validation_parquet():
     records = data.load_local("mmlu_pro", SHARED_DATA)
     counts = Counter(r.task_type for r in records)
-    assert counts == {"law": 1101, "history": 381, "psychology": 798, "biology": 717,
-                      "chemistry": 1132, "economics": 844, "physics": 1299}
+    assert counts == {
+        "law": 1101,
+        "history": 381,
+        "psychology": 798,
+        "biology": 717,
+        "chemistry": 1132,
+        "economics": 844,
+        "physics": 1299,
+    }
     assert all(o == o.strip() for r in records for o in r.options)
     assert {r.uid: r.gold for r in records}["qid:3983"] == "C"
+    assert len({r.uid for r in records}) == len(records)
     parquet = data.load_local("mmlu_pro", SHARED_DATA / "mmlu_pro" / "validation.parquet")
     jsonl = data.load_local("mmlu_pro", SHARED_DATA / "mmlu_pro" / "mmlu_pro_validation.jsonl")
     assert len(parquet) == len(jsonl) == 35  # 5 per profile category
@@ -261,8 +280,12 @@ def test_mmlu_pro_bad_rows(tmp_path):
 
 def test_bbh_bad_example_names_task_file_and_row(tmp_path):
     for task in PROFILE_TYPES["bbh"]:
-        (tmp_path / f"{task}.json").write_text(json.dumps({"examples": [{"input": "q", "target": "Yes"}] * 3}))
-    (tmp_path / "navigate.json").write_text(json.dumps({"examples": [{"input": "q", "target": "No"}, {"input": "q"}]}))
+        (tmp_path / f"{task}.json").write_text(
+            json.dumps({"examples": [{"input": "q", "target": "Yes"}] * 3})
+        )
+    (tmp_path / "navigate.json").write_text(
+        json.dumps({"examples": [{"input": "q", "target": "No"}, {"input": "q"}]})
+    )
     with pytest.raises(MeshHealError, match=r"navigate\.json, row 2: missing field 'target'"):
         data.load_local("bbh", tmp_path)
     (tmp_path / "navigate.json").write_text('{"examples": [')
@@ -281,11 +304,15 @@ def test_parquet_missing_column_names_row(tmp_path):
 
 def test_profile_task_type_absent_from_data(tmp_path):
     rows = [r for r in math_rows(per_type=2) if r["type"] != "Geometry"]
-    with pytest.raises(MeshHealError, match=r"no math questions of task type 'Geometry' required by the profile"):
+    with pytest.raises(
+        MeshHealError, match=r"no math questions of task type 'Geometry' required by the profile"
+    ):
         data.load_local("math", write_jsonl(tmp_path / "m.jsonl", rows))
     for task in PROFILE_TYPES["bbh"]:
         if task != "temporal_sequences":
-            (tmp_path / f"{task}.json").write_text(json.dumps({"examples": [{"input": "q", "target": "Yes"}]}))
+            (tmp_path / f"{task}.json").write_text(
+                json.dumps({"examples": [{"input": "q", "target": "Yes"}]})
+            )
     with pytest.raises(MeshHealError, match=r"no file for task type 'temporal_sequences'"):
         data.load_local("bbh", tmp_path)
 
@@ -340,7 +367,9 @@ def _fake_datasets(monkeypatch, tables):
 
 def test_hub_loader_wiring_with_a_stub(monkeypatch):
     bbh_tables = {
-        ("lukaemon/bbh", task): json.loads((data.SAMPLE_DIR / "bbh" / "bbh" / f"{task}.json").read_text())["examples"]
+        ("lukaemon/bbh", task): json.loads((data.SAMPLE_DIR / "bbh" / "bbh" / f"{task}.json").read_text())[
+            "examples"
+        ]
         for task in PROFILE_TYPES["bbh"]
     }
     calls = _fake_datasets(monkeypatch, bbh_tables)
@@ -367,8 +396,11 @@ def test_hub_loader_wiring_with_a_stub(monkeypatch):
     assert [r.uid for r in data.load_hub("mmlu_pro")] == [r.uid for r in data.load_sample("mmlu_pro")]
 
     _fake_datasets(monkeypatch, {})
-    with pytest.raises(MeshHealError, match=r"cannot load TIGER-Lab/MMLU-Pro split 'test' from the Hugging Face hub: "
-                       r"Couldn't find config None$"):
+    with pytest.raises(
+        MeshHealError,
+        match=r"cannot load TIGER-Lab/MMLU-Pro split 'test' from the Hugging Face hub: "
+        r"Couldn't find config None$",
+    ):
         data.load_hub("mmlu_pro")
 
 

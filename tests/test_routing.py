@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

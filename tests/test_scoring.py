@@ -1,0 +1,285 @@
+"""Answer scoring (meshheal_jax.scoring) on the real benchmark data: gold answers must match
+themselves in the forms a model writes them, and near misses must not."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from meshheal_jax import data, scoring
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.scoring import INVALID_OPTION, NO_ANSWER, OK, UNPARSABLE, extract_answer, judge, score
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data is absent")
+
+
+@pytest.fixture(scope="module")
+def math_verify():
+    return pytest.importorskip("math_verify")
+
+
+# ----------------------------------------------------------------------------------------------
+# Extraction
+
+
+@pytest.mark.parametrize(
+    "dataset, text, expected",
+    [
+        ("math", "work...\nRESULT: 42", "42"),
+        ("math", "RESULT: $\\frac{1}{2}$.", "\\frac{1}{2}"),
+        ("math", "so the total is $\\boxed{\\frac{a}{b+\\{c\\}}}$ indeed", "\\frac{a}{b+\\{c\\}}"),
+        ("math", "**RESULT:** \\boxed{7}", "7"),
+        ("math", "\\boxed{7} was a first guess.\nRESULT: 8", "8"),  # the later of the two
+        ("math", "RESULT: 8\nchecking: \\boxed{9}", "9"),
+        ("math", "RESULT:\n\n  12  ", "12"),
+        ("math", "The answer is 5", None),  # MATH needs \boxed{} or RESULT:
+        ("math", "", None),
+        ("bbh", "Step 1...\nSo the answer is (C).", "(C)"),
+        ("bbh", "Result: No", "No"),
+        ("mmlu_pro", "... the answer is (J)", "(J)"),
+        ("mmlu_pro", "RESULT: The answer is C", "C"),
+    ],
+)
+def test_extract_answer(dataset, text, expected):
+    assert extract_answer(dataset, text) == expected
+
+
+def test_unknown_dataset_and_bad_gold():
+    with pytest.raises(MeshHealError, match="cannot score dataset 'gsm8k'"):
+        score("gsm8k", "RESULT: 1", "1")
+    with pytest.raises(MeshHealError, match="empty gold"):
+        score("bbh", "RESULT: 1", " ")
+    with pytest.raises(MeshHealError, match="MMLU-Pro gold answer must be a letter A-J, got 'K'"):
+        score("mmlu_pro", "RESULT: K", "K")
+
+
+# ----------------------------------------------------------------------------------------------
+# MATH: math-verify equivalence
+
+
+def _model_forms(gold: str) -> list[str]:
+    return [f"Reasoning.\nRESULT: {gold}", f"Therefore the answer is $\\boxed{{{gold}}}$."]
+
+
+@needs_shared
+def test_every_math500_gold_matches_itself_boxed_and_as_result(math_verify):
+    records = data.load_local("math", SHARED_DATA / "math" / "math500_test.jsonl")
+    assert len(records) == 500
+    failures = []
+    for rec in records:
+        for text in _model_forms(rec.gold):
+            verdict = judge("math", text, rec.gold)
+            if not (verdict.correct and verdict.status == OK):
+                failures.append((rec.uid, text, verdict))
+    assert not failures, failures[:5]
+
+
+@needs_shared
+def test_math500_integer_golds_reject_off_by_one_and_sign_flips(math_verify):
+    records = data.load_local("math", SHARED_DATA / "math" / "math500_test.jsonl")
+    integers = [int(r.gold) for r in records if re.fullmatch(r"-?\d+", r.gold)]
+    assert len(integers) > 200
+    accepted = []
+    for value in integers:
+        misses = [value + 1, value - 1] + ([-value] if value else [])
+        for miss in misses:
+            if score("math", f"RESULT: {miss}", str(value)):
+                accepted.append((value, miss))
+    assert not accepted, accepted[:5]
+
+
+@pytest.mark.parametrize(
+    "gold, prediction",
+    [
+        ("\\frac{1}{2}", "RESULT: 1/2"),
+        ("\\frac{1}{2}", "RESULT: 0.5"),
+        ("\\frac{1}{2}", "$\\boxed{\\dfrac12}$"),
+        ("\\frac{\\sqrt{2}}{2}", "RESULT: sqrt(2)/2"),
+        ("\\frac{\\sqrt{2}}{2}", "RESULT: \\frac{1}{\\sqrt{2}}"),
+        ("5", "RESULT: x = 5"),
+        ("2,\\!016", "RESULT: 2016"),
+        ("\\left( 3, \\frac{\\pi}{2} \\right)", "RESULT: (3, \\pi/2)"),
+        ("\\text{(C)}", "RESULT: \\text{(C)}"),
+        ("-2,1", "\\boxed{1, -2}"),
+        ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!525}"),  # a gold math-verify reads only as text
+    ],
+)
+def test_math_equivalent_forms_are_accepted(math_verify, gold, prediction):
+    assert score("math", prediction, gold), judge("math", prediction, gold)
+
+
+@pytest.mark.parametrize(
+    "gold, prediction",
+    [
+        ("\\frac{1}{2}", "RESULT: 1/3"),
+        ("\\frac{1}{2}", "RESULT: -\\frac{1}{2}"),
+        ("\\frac{1}{2}", "RESULT: 2"),
+        ("-3", "RESULT: 3"),
+        ("15", "\\boxed{16}"),
+        ("15", "\\boxed{14}"),
+        ("2 \\sqrt{5}", "RESULT: \\sqrt{5}"),
+        ("6+9i", "RESULT: 6-9i"),
+        ("(2,12) \\cup (12,102)", "RESULT: (2,102)"),
+        (
+            "\\begin{pmatrix} -1 & 0 \\\\ 0 & -1 \\end{pmatrix}",
+            "RESULT: \\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}",
+        ),
+        ("\\text{(C)}", "RESULT: \\text{(D)}"),
+        ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!526}"),
+    ],
+)
+def test_math_near_misses_are_rejected(math_verify, gold, prediction):
+    verdict = judge("math", prediction, gold)
+    assert not verdict.correct and verdict.status == OK
+
+
+def test_math_missing_or_unparsable_answer_is_incorrect(math_verify):
+    assert judge("math", "I think it is 5.", "5") == scoring.Judgement(False, NO_ANSWER, None)
+    assert judge("math", None, "5").status == NO_ANSWER
+    verdict = judge("math", "RESULT: ???", "5")
+    assert verdict == scoring.Judgement(False, UNPARSABLE, "???")
+
+
+def test_math_scoring_works_off_the_main_thread(math_verify):
+    # math-verify's timeouts use signal.alarm (main thread only); worker threads run without them
+    results = []
+    worker = threading.Thread(target=lambda: results.append(score("math", "RESULT: 1/2", "\\frac{1}{2}")))
+    worker.start()
+    worker.join()
+    assert results == [True]
+
+
+def test_math_without_math_verify_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(MeshHealError, match=r"math-verify.*pip install -e \.\[live\]"):
+        score("math", "RESULT: 1", "1")
+
+
+def test_math_sample_golds_match(math_verify):
+    for rec in data.load_sample("math") + data.load_local(
+        "math", data.SAMPLE_DIR / "math" / "math500_sample.jsonl"
+    ):
+        assert score("math", f"RESULT: {rec.gold}", rec.gold), rec.uid
+
+
+# ----------------------------------------------------------------------------------------------
+# BBH: normalised exact match
+
+
+def _bbh_targets() -> dict[str, list[str]]:
+    folder = SHARED_DATA / "bbh" / "bbh" if SHARED_DATA.is_dir() else data.SAMPLE_DIR / "bbh" / "bbh"
+    return {
+        path.stem: sorted({e["target"] for e in json.loads(path.read_text())["examples"]})
+        for path in sorted(folder.glob("*.json"))
+    }
+
+
+def _bbh_forms(target: str) -> list[str]:
+    forms = [
+        f"Let me think.\nRESULT: {target}",
+        f"RESULT: **{target}**",
+        f"result: {target}.",
+        f"Step by step... So the answer is {target}.",
+    ]
+    if "{" not in target and "}" not in target:
+        forms.append(f"\\boxed{{{target}}}")
+    if target.startswith("("):
+        letter = target[1]
+        forms += [
+            f"RESULT: {letter}",
+            f"RESULT: {letter}) because",
+            f"RESULT: Option {letter}",
+            f"RESULT: [{letter}]",
+        ]
+    return forms
+
+
+def test_bbh_targets_match_themselves_and_not_each_other():
+    targets = _bbh_targets()
+    assert len(targets) == (27 if SHARED_DATA.is_dir() else 7)
+    checked = 0
+    for task, values in targets.items():
+        for i, target in enumerate(values):
+            for text in _bbh_forms(target):
+                assert score("bbh", text, target), (task, text, judge("bbh", text, target))
+                checked += 1
+            if len(values) > 1:
+                other = values[(i + 1) % len(values)]
+                assert not score("bbh", f"RESULT: {other}", target), (task, other, target)
+    assert checked > 100
+
+
+def test_bbh_records_accept_the_gold_option_text():
+    records = data.load_local("bbh", SHARED_DATA) if SHARED_DATA.is_dir() else data.load_sample("bbh")
+    lettered = [r for r in records if r.options is not None and r.gold.startswith("(")]
+    assert len(lettered) > 20
+    for rec in lettered:
+        index = ord(rec.gold[1]) - ord("A")
+        text = rec.options[index]
+        if sum(o.casefold() == text.casefold() for o in rec.options) == 1:
+            assert score("bbh", f"RESULT: {text}", rec.gold, rec.options), rec.uid
+            assert score("bbh", f"RESULT: {rec.gold} {text}", rec.gold, rec.options), rec.uid
+        wrong = (index + 1) % len(rec.options)
+        assert not score("bbh", f"RESULT: {rec.options[wrong]}", rec.gold, rec.options), rec.uid
+
+
+@pytest.mark.parametrize(
+    "text, gold, options, expected",
+    [
+        ("RESULT: (B)", "(A)", None, (False, OK)),
+        ("RESULT: Brown", "(B)", None, (False, UNPARSABLE)),  # a word starting with B is no letter
+        ("RESULT: a cat", "(A)", None, (False, UNPARSABLE)),
+        ("RESULT: (F)", "(A)", ("x", "y"), (False, INVALID_OPTION)),
+        ("RESULT: 15.0", "15", None, (True, OK)),
+        ("RESULT: fifteen", "15", None, (False, OK)),
+        ("RESULT: Yes, he returns", "Yes", None, (False, OK)),
+        ("RESULT:  ] )  } ", "] ) }", None, (True, OK)),
+        ("no final answer", "Yes", None, (False, NO_ANSWER)),
+    ],
+)
+def test_bbh_edge_cases(text, gold, options, expected):
+    verdict = judge("bbh", text, gold, options)
+    assert (verdict.correct, verdict.status) == expected
+
+
+# ----------------------------------------------------------------------------------------------
+# MMLU-Pro: letters
+
+
+def _mmlu_records():
+    if SHARED_DATA.is_dir():
+        return data.load_local("mmlu_pro", SHARED_DATA)
+    return data.load_sample("mmlu_pro")
+
+
+def test_mmlu_pro_letters_on_real_questions():
+    records = _mmlu_records()
+    for rec in records:
+        letter = rec.gold
+        for text in (
+            f"RESULT: {letter}",
+            f"The answer is ({letter}).",
+            f"RESULT: ({letter}) {rec.options[ord(letter) - 65]}",
+        ):
+            assert score("mmlu_pro", text, rec.gold, rec.options), (rec.uid, text)
+        wrong = data.MMLU_PRO_LETTERS[(ord(letter) - 65 + 1) % len(rec.options)]
+        assert not score("mmlu_pro", f"RESULT: {wrong}", rec.gold, rec.options)
+        if len(rec.options) < 10:
+            beyond = data.MMLU_PRO_LETTERS[len(rec.options)]
+            assert judge("mmlu_pro", f"RESULT: {beyond}", rec.gold, rec.options).status == INVALID_OPTION
+
+
+def test_mmlu_pro_option_text_and_unparsable():
+    rec = next(r for r in data.load_sample("mmlu_pro") if r.uid == "qid:3983")
+    assert rec.gold == "C" and rec.options[2] == "N—H"
+    assert score("mmlu_pro", "RESULT: N—H", rec.gold, rec.options)
+    assert not score("mmlu_pro", "RESULT: P—Cl", rec.gold, rec.options)
+    assert judge("mmlu_pro", "RESULT: none of them", rec.gold, rec.options).status == UNPARSABLE
+    assert judge("mmlu_pro", "I am not sure.", rec.gold, rec.options).status == NO_ANSWER
+    assert judge("mmlu_pro", "RESULT: c", "C").correct  # no options given: letters A-J
