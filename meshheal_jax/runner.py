@@ -61,6 +61,10 @@ class Experiment:
         for pair in self.pairs:
             load_pair(pair, self.params_dir)
         self.schedule()
+        starts, names = self.phases()
+        for dataset in self.datasets:  # stream length and phases, before anything is written
+            n_types = len(load_profile(dataset, self.profiles_dir).task_types)
+            make_stream(0, 0, self.n_tasks, n_types, starts, names)
 
     def schedule(self) -> HealthSchedule:
         if self.name == "recovery":
@@ -122,7 +126,7 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                 raise MeshHealError(f"output folder {out} has an unreadable config.json") from None
             if not previous.get(RUN_MARKER):
                 raise MeshHealError(f"output folder {out} exists and is not a run folder")
-            if previous.get("experiment") != exp.to_json():
+            if previous.get("experiment") != json.loads(json.dumps(exp.to_json())):
                 raise MeshHealError(
                     f"output folder {out} holds a run of a different configuration; choose another --out"
                 )

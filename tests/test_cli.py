@@ -161,14 +161,6 @@ def test_same_seed_gives_identical_records(main_run, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-RESUME_BUG = (
-    "runner.prepare_run_dir compares the JSON-loaded config.json 'experiment' (lists) with "
-    "Experiment.to_json() (tuples), so an identical configuration never matches and every resume is "
-    "refused as 'a run of a different configuration'"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=RESUME_BUG)
 def test_prepare_run_dir_reopens_the_same_experiment(tmp_path):
     exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42)
     out = tmp_path / "run"
@@ -186,7 +178,6 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
         prepare_run_dir(other, out)
 
 
-@pytest.mark.xfail(strict=True, reason=RESUME_BUG)
 def test_resume_after_losing_a_stream_and_the_summary(tmp_path):
     out = tmp_path / "run"
     args = ("--seeds", "2", "--tasks", "42", "--datasets", "math", "--quiet", "--out", str(out))
@@ -280,11 +271,6 @@ def test_out_folder_with_an_unrelated_file(tmp_path):
     assert (out / "thesis.txt").read_text() == "precious"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner.Experiment.validate does not check the stream length; make_stream raises only in "
-    "run_one_stream, after prepare_run_dir has written config.json into --out",
-)
 def test_bad_stream_length_writes_nothing(tmp_path):
     out = tmp_path / "out"
     proc = cli("main", "--seeds", "1", "--tasks", "50", "--datasets", "math", "--quiet", "--out", str(out),
