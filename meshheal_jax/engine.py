@@ -1,0 +1,1055 @@
+"""The JAX engine: the network and every in-flight task in arrays, advanced by jitted rounds.
+
+One round = emit (the LLM calls every in-flight task needs now) -> backend -> absorb (apply the
+responses: review decisions, detector evidence, routing until the next model call). Handoff,
+RawRelay and probe redirection need no model call and run inside absorb in a bounded loop.
+A round is a pure function; `run_rounds` scans it; streams are a vmap on the outside.
+
+Implements spec/protocol.md and docs/decisions.md independently of reference.py; with slots = 1
+the two must agree exactly (tests/test_engine_equality.py).
+
+Shapes: N agents, A abilities, T task types, P documented pairs, S slots, W windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshheal_jax import draws as D
+from meshheal_jax.config import ProtocolParams
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
+from meshheal_jax.streams import HealthSchedule, Stream
+from meshheal_jax.topology import Network
+
+jax.config.update("jax_enable_x64", True)
+
+INF = 2**30
+NORMAL, WATCHED, ISOLATED = 0, 1, 2
+STATE_NAMES = ("normal", "watched", "isolated")
+STRONG, WEAK = 0, 1
+ROLE_NAMES = ("strong", "weak")
+
+# Task phases: what the slot needs next.
+IDLE, INFER, GENERATE, REVIEW, ROUND1, ROUND2, CANDIDATES, SYNTH, FINISHED = range(9)
+CALLS_PER_SLOT = 3
+# Request kinds (index into params.CALL_KINDS).
+K_INFER, K_GENERATE, K_REVIEW, K_COMMITTEE1, K_COMMITTEE2, K_CANDIDATE, K_SYNTHESIS = range(7)
+# Actions recorded per task.
+ACTION_NAMES = ("rawrelay", "infer", "relay", "probe", "handoff", "contribute", "finalize")
+A_RAWRELAY, A_INFER, A_RELAY, A_PROBE, A_HANDOFF, A_CONTRIBUTE, A_FINALIZE = range(7)
+MAX_ACTIONS = 24
+MAX_ROUTE = 10
+END_NAMES = ("", "move budget", "unreachable ability", "no non-isolated agent reachable")
+REASON_NAMES = ("", "z>=alpha", "consecutive z>=beta", "z<alpha", "probe z<beta")
+
+
+def pytree(cls):
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+def static(cls):
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: static shapes, traced parameters, per-stream constants
+# ----------------------------------------------------------------------------------------------
+
+
+@static
+class EngineConfig:
+    n_agents: int
+    n_abilities: int
+    n_types: int
+    n_pairs: int
+    n_tasks: int
+    slots: int = 1
+    window_scores: int = 8
+    window_shortfalls: int = 8
+    n_distractors: int = 4
+    route_loop: int = 12  # bound on moves handled inside one absorb (move_limit + 4)
+
+
+@pytree
+class Params:
+    """Traced: protocol thresholds and the emulator's pair (index 0 strong, 1 weak)."""
+
+    alpha: jax.Array
+    beta: jax.Array
+    consecutive: jax.Array
+    tau_to: jax.Array
+    sigma_com: jax.Array
+    min_obs: jax.Array
+    z_floor: jax.Array
+    probe_interval: jax.Array
+    warmup: jax.Array
+    route_limit: jax.Array
+    move_limit: jax.Array
+    tol: jax.Array
+    p_infer: jax.Array  # (2,)
+    p_part: jax.Array  # (2, T)
+    p_rescue: jax.Array  # (2,)
+    rho_same: jax.Array  # (2,)
+    p_follow: jax.Array  # (2,)
+    p_fix: jax.Array  # (2,)
+    p_keep: jax.Array  # (2,)
+    answer_fraction: jax.Array  # (2,)
+    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], 4)
+    round2_thr: jax.Array  # (2, 2, 2, 4)
+    distractor_thr: jax.Array  # (2, n_distractors)
+    completion: jax.Array  # (2, 7 kinds, 2 [min, max]) int
+    prompt: jax.Array  # (2, 7 kinds) int
+    question_tokens: jax.Array  # ()
+
+
+@pytree
+class World:
+    """Per-stream constants. `degraded` is read only by the backend."""
+
+    holds: jax.Array  # (N, A) bool
+    adjacency: jax.Array  # (N, N) bool
+    task_type: jax.Array  # (n_tasks,) int
+    true_pair: jax.Array  # (T,) int: documented pair of each type
+    pair_abilities: jax.Array  # (P, A) bool
+    degraded: jax.Array  # (n_tasks + 1, N) bool  [backend only]
+    draws: D.TaskDraws  # leading (n_tasks,)
+
+
+def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) -> Params:
+    f = functools.partial(jnp.asarray, dtype=jnp.float64)
+    i = functools.partial(jnp.asarray, dtype=jnp.int32)
+    models = (pair.strong, pair.weak)
+
+    def thr(kind: str) -> np.ndarray:
+        out = np.zeros((2, 2, 2, 4))
+        for r, m in enumerate(models):
+            for a, role in enumerate(("strong_author", "weak_author")):
+                for c in (0, 1):
+                    fn = m.review_thresholds if kind == "review" else m.round2_thresholds
+                    out[r, a, c] = fn(role, bool(c))
+        return out
+
+    if pair.strong.n_distractors != pair.weak.n_distractors:
+        raise MeshHealError("both models of a pair must have the same n_distractors")
+    return Params(
+        alpha=f(protocol.alpha), beta=f(protocol.beta), consecutive=i(protocol.consecutive_to_isolate),
+        tau_to=f(protocol.tau_to), sigma_com=f(protocol.sigma_com), min_obs=i(protocol.min_observations),
+        z_floor=f(protocol.z_scale_floor), probe_interval=i(protocol.probe_interval),
+        warmup=i(protocol.warmup_tasks(n_agents)), route_limit=i(protocol.route_limit),
+        move_limit=i(protocol.move_limit), tol=f(protocol.threshold_tol),
+        p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
+        p_rescue=f([m.p_rescue for m in models]), rho_same=f([m.rho_same for m in models]),
+        p_follow=f([m.p_follow for m in models]), p_fix=f([m.p_fix for m in models]),
+        p_keep=f([m.p_keep for m in models]), answer_fraction=f([m.answer_fraction for m in models]),
+        review_thr=f(thr("review")), round2_thr=f(thr("round2")),
+        distractor_thr=f([m.distractor_thresholds() for m in models]),
+        completion=i([[m.completion_tokens[k] for k in CALL_KINDS] for m in models]),
+        prompt=i([[m.prompt_tokens[k] for k in CALL_KINDS] for m in models]),
+        question_tokens=i(profile.question_tokens),
+    )  # fmt: skip
+
+
+def make_world(network: Network, stream: Stream, schedule: HealthSchedule, draws: D.TaskDraws) -> World:
+    profile = network.profile
+    pairs = profile.pairs
+    pair_abilities = np.zeros((len(pairs), len(profile.abilities)), dtype=bool)
+    for k, pair in enumerate(pairs):
+        pair_abilities[k, list(pair)] = True
+    return World(
+        holds=jnp.asarray(network.holds), adjacency=jnp.asarray(network.adjacency),
+        task_type=jnp.asarray(stream.task_type, dtype=jnp.int32),
+        true_pair=jnp.asarray([profile.pair_index(ty) for ty in range(len(profile.task_types))], dtype=jnp.int32),
+        pair_abilities=jnp.asarray(pair_abilities), degraded=jnp.asarray(schedule.degraded_matrix()),
+        draws=jax.tree_util.tree_map(jnp.asarray, draws),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------
+
+
+@pytree
+class Net:
+    state: jax.Array  # (N,) int32 NORMAL/WATCHED/ISOLATED
+    consecutive: jax.Array  # (N,) int32
+    probe_timer: jax.Array  # (N,) int32
+    distance: jax.Array  # (N, A + 1) int32; column A = nearest non-isolated agent
+    scores: jax.Array  # (N, T, A, W) float64 ring buffers
+    score_count: jax.Array  # (N, T, A) int32 pushes so far
+    shortfalls: jax.Array  # (N, T, A, W) float64
+    shortfall_count: jax.Array  # (N, T, A) int32 (= lifetime n_x)
+
+
+@pytree
+class Slots:
+    """In-flight tasks, leading axis (S,). Controller-visible only."""
+
+    t: jax.Array  # task index (1-based), 0 = none
+    phase: jax.Array
+    agent: jax.Array
+    entry: jax.Array
+    moves: jax.Array
+    since: jax.Array  # moves since the last output
+    probe_visit: jax.Array  # bool
+    pair: jax.Array  # inferred pair
+    covered: jax.Array  # (S, A) bool
+    ability: jax.Array  # the held ability of the current output
+    finalize: jax.Array  # bool
+    reviewer: jax.Array
+    member_a: jax.Array
+    member_b: jax.Array
+    samples: jax.Array  # (S, 3) float64
+    q0: jax.Array
+    s_u: jax.Array
+    committee: jax.Array  # bool
+    round1: jax.Array  # (S, 2) float64
+    round2: jax.Array  # (S, 2) float64
+    q: jax.Array
+    answer_id: jax.Array  # answer id returned with the final answer (controller's view)
+    answered: jax.Array  # bool
+    end: jax.Array  # END_NAMES index
+    route: jax.Array  # (S, MAX_ROUTE) int32
+    route_len: jax.Array
+    actions: jax.Array  # (S, MAX_ACTIONS) int32
+    n_actions: jax.Array
+    calls: jax.Array
+    prompt_tokens: jax.Array
+    completion_tokens: jax.Array
+    unreviewed: jax.Array
+
+
+@pytree
+class Backend:
+    """The emulator's own per-slot latent state (never read by the controller)."""
+
+    pair_ok: jax.Array  # (S,) bool
+    part_ok: jax.Array
+    part_role: jax.Array
+    part_tokens: jax.Array
+    answer_ok: jax.Array
+    answer_tokens: jax.Array
+    draft_ok: jax.Array
+    draft_tokens: jax.Array
+    explanation_tokens: jax.Array  # round-1 explanations, summed
+    candidate_tokens: jax.Array  # candidates, summed
+    result_ok: jax.Array  # correctness of the output the task keeps (after Takeover)
+    result_tokens: jax.Array
+    pending: jax.Array  # a Contribute's kept output not yet folded into the draft
+
+
+def initial_net(cfg: EngineConfig, world: World) -> Net:
+    n, a, t, w = cfg.n_agents, cfg.n_abilities, cfg.n_types, cfg.window_scores
+    state = jnp.zeros(n, jnp.int32)
+    return Net(
+        state=state, consecutive=jnp.zeros(n, jnp.int32), probe_timer=jnp.zeros(n, jnp.int32),
+        distance=distance_tables(world.holds, world.adjacency, state),
+        scores=jnp.zeros((n, t, a, w)), score_count=jnp.zeros((n, t, a), jnp.int32),
+        shortfalls=jnp.zeros((n, t, a, cfg.window_shortfalls)), shortfall_count=jnp.zeros((n, t, a), jnp.int32),
+    )  # fmt: skip
+
+
+def initial_slots(cfg: EngineConfig) -> Slots:
+    s = cfg.slots
+    zi = jnp.zeros(s, jnp.int32)
+    zb = jnp.zeros(s, bool)
+    zf = jnp.zeros(s, jnp.float64)
+    return Slots(
+        t=zi, phase=zi, agent=zi, entry=zi, moves=zi, since=zi, probe_visit=zb, pair=zi,
+        covered=jnp.zeros((s, cfg.n_abilities), bool), ability=zi, finalize=zb, reviewer=zi,
+        member_a=zi, member_b=zi, samples=jnp.zeros((s, 3)), q0=zf, s_u=zf, committee=zb,
+        round1=jnp.zeros((s, 2)), round2=jnp.zeros((s, 2)), q=zf, answer_id=zi, answered=zb, end=zi,
+        route=jnp.full((s, MAX_ROUTE), -1, jnp.int32), route_len=zi,
+        actions=jnp.full((s, MAX_ACTIONS), -1, jnp.int32), n_actions=zi, calls=zi, prompt_tokens=zi,
+        completion_tokens=zi, unreviewed=zi,
+    )  # fmt: skip
+
+
+def initial_backend(cfg: EngineConfig) -> Backend:
+    zi = jnp.zeros(cfg.slots, jnp.int32)
+    zb = jnp.zeros(cfg.slots, bool)
+    return Backend(pair_ok=zb, part_ok=zb, part_role=zi, part_tokens=zi, answer_ok=zb, answer_tokens=zi,
+                   draft_ok=jnp.ones(cfg.slots, bool), draft_tokens=zi, explanation_tokens=zi,
+                   candidate_tokens=zi, result_ok=zb, result_tokens=zi, pending=zb)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Small pure helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def pick_index(u, n):
+    """min(floor(u n), n - 1) as int32 (n >= 1)."""
+    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
+
+
+def pick_from_mask(u, mask):
+    """The k-th True entry (increasing index), k = pick_index(u, count); -1 if none."""
+    count = mask.sum()
+    k = pick_index(u, jnp.maximum(count, 1))
+    position = jnp.argmax(jnp.cumsum(mask) == k + 1)
+    return jnp.where(count > 0, position, -1).astype(jnp.int32)
+
+
+def categorical(u, thresholds):
+    return jnp.minimum(jnp.sum(u >= thresholds), thresholds.shape[-1] - 1).astype(jnp.int32)
+
+
+def distance_tables(holds, adjacency, state):
+    """(N, A + 1) hop distances to the nearest eligible provider (Bellman-Ford to convergence)."""
+    active = state != ISOLATED
+    source = jnp.concatenate([holds & active[:, None], active[:, None]], axis=1)
+    dist0 = jnp.where(source, 0, INF).astype(jnp.int32)
+    n = holds.shape[0]
+
+    def relax(_, dist):
+        through = jnp.where(adjacency[:, :, None], dist[None, :, :] + 1, INF)
+        return jnp.minimum(dist, jnp.minimum(through.min(axis=1), INF))
+
+    return jax.lax.fori_loop(0, n, relax, dist0)
+
+
+def window_mean(data, count):
+    """Mean of a ring buffer's filled slots, summed in slot order."""
+    w = data.shape[-1]
+    filled = jnp.minimum(count, w)
+    mask = jnp.arange(w) < filled[..., None]
+    return jnp.sum(jnp.where(mask, data, 0.0), axis=-1) / jnp.maximum(filled, 1)
+
+
+def quantile_sorted(sorted_values, n, q):
+    pos = q * (n - 1).astype(jnp.float64)
+    lo_i = jnp.floor(pos).astype(jnp.int32)
+    hi_i = jnp.ceil(pos).astype(jnp.int32)
+    lo, hi = sorted_values[lo_i], sorted_values[hi_i]
+    return lo + (hi - lo) * (pos - jnp.floor(pos))
+
+
+def set_at(array, slot, value):
+    return array.at[slot].set(value)
+
+
+ROUTE = 9  # internal phase: at an agent, deciding what to do (no model call yet)
+
+
+def at(tree, i):
+    return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
+def put(tree, i, one):
+    return jax.tree_util.tree_map(lambda x, y: x.at[i].set(jnp.asarray(y).astype(x.dtype)), tree, one)
+
+
+def gt_tol(x, threshold, tol):
+    """x >= threshold with the tolerance in favour of crossing."""
+    return x >= threshold - tol
+
+
+def le_tol(x, threshold, tol):
+    return x <= threshold + tol
+
+
+# ----------------------------------------------------------------------------------------------
+# Detector (spec/protocol.md §5)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytree
+class Observation:
+    z: jax.Array  # float64 (0 where undefined)
+    z_defined: jax.Array  # bool
+    before: jax.Array
+    after: jax.Array
+    reason: jax.Array  # REASON_NAMES index
+
+
+def next_state(p: Params, state, consecutive, z):
+    crossed_beta = gt_tol(z, p.beta, p.tol)
+    crossed_alpha = gt_tol(z, p.alpha, p.tol)
+    consecutive = jnp.where(crossed_beta, consecutive + 1, 0)
+    to_isolated = (state != ISOLATED) & (consecutive >= p.consecutive)
+    new = jnp.where(to_isolated, ISOLATED,
+          jnp.where((state == NORMAL) & crossed_alpha, WATCHED,
+          jnp.where((state == WATCHED) & ~crossed_alpha, NORMAL,
+          jnp.where((state == ISOLATED) & ~crossed_beta, WATCHED, state))))  # fmt: skip
+    reason = jnp.where(to_isolated, 2,
+             jnp.where((state == NORMAL) & crossed_alpha, 1,
+             jnp.where((state == WATCHED) & ~crossed_alpha, 3,
+             jnp.where((state == ISOLATED) & ~crossed_beta, 4, 0))))  # fmt: skip
+    consecutive = jnp.where(to_isolated, 0, consecutive)
+    return new.astype(jnp.int32), consecutive.astype(jnp.int32), reason.astype(jnp.int32)
+
+
+def observe(p: Params, world: World, net: Net, i, task_type, s, q, t) -> tuple[Net, Observation]:
+    """Record author i's final score q for (task_type, s) at task t."""
+    normal = net.state == NORMAL
+    w = net.scores.shape[-1]
+    peers = world.adjacency[i] & normal & (net.score_count[:, task_type, s] > 0)
+    count = net.score_count[i, task_type, s]
+    scores = net.scores.at[i, task_type, s, count % w].set(q)
+    score_count = net.score_count.at[i, task_type, s].add(1)
+    n_peers = peers.sum()
+    peer_means = window_mean(net.scores[:, task_type, s], net.score_count[:, task_type, s])
+    reference = jnp.sum(jnp.where(peers, peer_means, 0.0)) / jnp.maximum(n_peers, 1)
+    has_peers = n_peers > 0
+    x = reference - q
+    ws = net.shortfalls.shape[-1]
+    n_x = net.shortfall_count[i, task_type, s]
+    shortfalls = jnp.where(has_peers, net.shortfalls.at[i, task_type, s, n_x % ws].set(x), net.shortfalls)
+    shortfall_count = jnp.where(has_peers, net.shortfall_count.at[i, task_type, s].add(1), net.shortfall_count)
+    n_x = shortfall_count[i, task_type, s]
+    own = window_mean(shortfalls[i, task_type, s], n_x)
+    pool_mask = (world.adjacency[i] & normal)[:, None] & (shortfall_count[:, task_type, :] >= p.min_obs)
+    pool_values = window_mean(shortfalls[:, task_type, :], shortfall_count[:, task_type, :])
+    flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
+    n_pool = pool_mask.sum()
+    ordered = jnp.sort(flat)
+    m = quantile_sorted(ordered, n_pool, 0.5)
+    p25 = quantile_sorted(ordered, n_pool, 0.25)
+    defined = has_peers & (t > p.warmup) & (n_x >= p.min_obs) & (n_pool > 0)
+    z = jnp.where(defined, (own - jnp.where(defined, m, 0.0)) / jnp.maximum(jnp.where(defined, m - p25, 1.0), p.z_floor), 0.0)
+    before = net.state[i]
+    new, consecutive, reason = next_state(p, before, net.consecutive[i], z)
+    new = jnp.where(defined, new, before)
+    reason = jnp.where(defined, reason, 0)
+    consecutive = jnp.where(defined, consecutive, net.consecutive[i])
+    entered = (new == ISOLATED) & (before != ISOLATED)
+    state = net.state.at[i].set(new)
+    distance = jax.lax.cond(new != before, lambda: distance_tables(world.holds, world.adjacency, state),
+                            lambda: net.distance)  # fmt: skip
+    net = Net(state=state, consecutive=net.consecutive.at[i].set(consecutive),
+              probe_timer=jnp.where(entered, net.probe_timer.at[i].set(t), net.probe_timer),
+              distance=distance, scores=scores, score_count=score_count, shortfalls=shortfalls,
+              shortfall_count=shortfall_count)  # fmt: skip
+    return net, Observation(z=z, z_defined=defined, before=before, after=new, reason=reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing inside absorb (spec/protocol.md §2, §3)
+# ----------------------------------------------------------------------------------------------
+
+
+def _log_action(slot: Slots, action) -> Slots:
+    return dataclasses.replace(slot, actions=slot.actions.at[slot.n_actions].set(action), n_actions=slot.n_actions + 1)
+
+
+def _finish(slot: Slots, answered, end) -> Slots:
+    return dataclasses.replace(slot, phase=jnp.int32(FINISHED), answered=answered, end=jnp.int32(end))
+
+
+def _move(p: Params, slot: Slots, to, action) -> Slots:
+    over = (slot.moves + 1 > p.move_limit) | (slot.since + 1 > p.route_limit)
+    moved = _log_action(dataclasses.replace(
+        slot, moves=slot.moves + 1, since=slot.since + 1, agent=to,
+        route=slot.route.at[slot.route_len].set(to), route_len=slot.route_len + 1), action)  # fmt: skip
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(over, a, b), _finish(slot, False, 1), moved)
+
+
+def _next_hop(p: Params, world: World, net: Net, slot: Slots, missing, u_route, action) -> Slots:
+    i = slot.agent
+    s = pick_from_mask(u_route[D.HOP_ABILITY], missing)
+    d = net.distance[i, s]
+    hops = world.adjacency[i] & (net.distance[:, s] == d - 1)
+    j = pick_from_mask(u_route[D.HOP_TIE], hops)
+    unreachable = d >= INF
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(unreachable, a, b),
+                                  _finish(slot, False, 2), _move(p, slot, j, action))  # fmt: skip
+
+
+def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
+    """One decision at the current agent: relay, probe, handoff, or stop for a model call."""
+    i = slot.agent
+    u_route = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1)]
+    required = world.pair_abilities[slot.pair]
+    missing = required & ~slot.covered
+    isolated_relay = (net.state[i] == ISOLATED) & ~slot.probe_visit
+    eligible = (net.state == ISOLATED) & (t - net.probe_timer >= p.probe_interval)
+    candidates = world.adjacency[i] & eligible & jnp.any(world.holds & missing[None, :], axis=1)
+    within = (slot.moves + 1 <= p.move_limit) & (slot.since + 1 <= p.route_limit)
+    probing = ~isolated_relay & ~slot.probe_visit & candidates.any() & within
+    j = pick_from_mask(u_route[D.PROBE], candidates)
+    held = world.holds[i] & missing
+    handoff = ~isolated_relay & ~probing & ~held.any()
+    work = ~isolated_relay & ~probing & held.any()
+
+    relay_slot = _next_hop(p, world, net, slot, missing, u_route, A_RELAY)
+    probe_slot = dataclasses.replace(_move(p, slot, j, A_PROBE), probe_visit=jnp.bool_(True))
+    handoff_slot = dataclasses.replace(_next_hop(p, world, net, slot, missing, u_route, A_HANDOFF),
+                                       probe_visit=jnp.bool_(False))  # fmt: skip
+    work_slot = dataclasses.replace(slot, phase=jnp.int32(GENERATE), ability=jnp.argmax(held).astype(jnp.int32),
+                                    finalize=jnp.all(held == missing))  # fmt: skip
+
+    def choose(a, b, c, d):
+        return jnp.where(isolated_relay, a, jnp.where(probing, b, jnp.where(handoff, c, d)))
+
+    new_slot = jax.tree_util.tree_map(choose, relay_slot, probe_slot, handoff_slot, work_slot)
+    net = dataclasses.replace(net, probe_timer=jnp.where(probing, net.probe_timer.at[j].set(t), net.probe_timer))
+    return net, new_slot
+
+
+def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
+    def body(_, carry):
+        net, slot = carry
+        stepped = _route_step(p, world, net, slot, t, draws_t)
+        active = slot.phase == ROUTE
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, (net, slot))
+
+    return jax.lax.fori_loop(0, cfg.route_loop, body, (net, slot))
+
+
+def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> Slots:
+    """Entry pick and RawRelay toward a non-isolated agent; then the slot needs InferAbilities."""
+    entry = pick_index(draws_t.entry, cfg.n_agents)
+    slot = dataclasses.replace(
+        at(initial_slots(dataclasses.replace(cfg, slots=1)), 0), t=t, phase=jnp.int32(INFER), agent=entry,
+        entry=entry, route=jnp.full(MAX_ROUTE, -1, jnp.int32).at[0].set(entry), route_len=jnp.int32(1),
+    )  # fmt: skip
+    column = cfg.n_abilities
+
+    def body(_, slot):
+        i = slot.agent
+        relay = (slot.phase == INFER) & (net.state[i] == ISOLATED)
+        d = net.distance[i, column]
+        hops = world.adjacency[i] & (net.distance[:, column] == d - 1)
+        j = pick_from_mask(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE], hops)
+        moved = jax.tree_util.tree_map(lambda a, b: jnp.where(d >= INF, a, b),
+                                       _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))  # fmt: skip
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(relay, a, b), moved, slot)
+
+    return jax.lax.fori_loop(0, cfg.route_loop, body, slot)
+
+
+# ----------------------------------------------------------------------------------------------
+# emit -> backend -> absorb
+# ----------------------------------------------------------------------------------------------
+
+
+@pytree
+class Requests:
+    """The calls every slot needs now: (S,) per-slot context, (S, 3) per call."""
+
+    phase: jax.Array  # (S,) what the calls are for (INFER ... SYNTH)
+    t: jax.Array  # (S,)
+    visit: jax.Array  # (S,) moves on arrival = per-visit draw row
+    task_type: jax.Array  # (S,)
+    author: jax.Array  # (S,) the agent whose output is judged
+    ability: jax.Array  # (S,)
+    finalize: jax.Array  # (S,)
+    inferred_pair: jax.Array  # (S,) (generate needs it only for the context it shows)
+    kind: jax.Array  # (S, 3) K_* index
+    agent: jax.Array  # (S, 3) calling agent
+    other_score: jax.Array  # (S, 3) round 2: the other member's round-1 score
+    mask: jax.Array  # (S, 3) bool
+
+
+@pytree
+class Responses:
+    score: jax.Array  # (S, 3) float64
+    pair: jax.Array  # (S,) inferred pair (infer)
+    answer_id: jax.Array  # (S,) final answer id (finalize generate / synthesis)
+    prompt_tokens: jax.Array  # (S, 3)
+    completion_tokens: jax.Array  # (S, 3)
+    parse_ok: jax.Array  # (S, 3) bool
+    role: jax.Array  # (S, 3) which model answered (STRONG / WEAK)
+    truth: jax.Array  # (S, 3) int32 latent correctness for the trace (-1 none) [records only]
+
+
+_PHASE_CALLS = {  # phase -> kinds of its calls (K_* or -1)
+    INFER: (K_INFER, -1, -1), GENERATE: (K_GENERATE, -1, -1), REVIEW: (K_REVIEW, K_REVIEW, K_REVIEW),
+    ROUND1: (K_COMMITTEE1, K_COMMITTEE1, -1), ROUND2: (K_COMMITTEE2, K_COMMITTEE2, -1),
+    CANDIDATES: (K_CANDIDATE, K_CANDIDATE, -1), SYNTH: (K_SYNTHESIS, -1, -1),
+}  # fmt: skip
+_KIND_TABLE = np.full((10, 3), -1, np.int32)
+for _phase, _kinds in _PHASE_CALLS.items():
+    _KIND_TABLE[_phase] = _kinds
+
+
+def emit(cfg: EngineConfig, p: Params, world: World, slots: Slots) -> Requests:
+    kind = jnp.asarray(_KIND_TABLE)[slots.phase]
+    member = jnp.stack([slots.member_a, slots.member_b, slots.member_a], axis=1)
+    reviewer = jnp.broadcast_to(slots.reviewer[:, None], (cfg.slots, 3))
+    caller = jnp.where((slots.phase == REVIEW)[:, None], reviewer,
+             jnp.where(((slots.phase >= ROUND1) & (slots.phase <= SYNTH))[:, None], member,
+                       jnp.broadcast_to(slots.agent[:, None], (cfg.slots, 3))))  # fmt: skip
+    other = jnp.stack([slots.round1[:, 1], slots.round1[:, 0], slots.round1[:, 0]], axis=1)
+    return Requests(
+        phase=slots.phase, t=slots.t, visit=jnp.minimum(slots.moves, D.N_VISITS - 1),
+        task_type=world.task_type[jnp.maximum(slots.t - 1, 0)], author=slots.agent, ability=slots.ability,
+        finalize=slots.finalize, inferred_pair=slots.pair, kind=kind, agent=caller, other_score=other,
+        mask=kind >= 0,
+    )  # fmt: skip
+
+
+def _role(world: World, agent, ability, t):
+    """Model-backed rule (backend only): STRONG iff healthy and (no ability or ability held)."""
+    held = jnp.where(ability < 0, True, world.holds[agent, jnp.maximum(ability, 0)])
+    return jnp.where(world.degraded[t, agent] | ~held, WEAK, STRONG).astype(jnp.int32)
+
+
+def _completion(p: Params, role, kind, u):
+    lo, hi = p.completion[role, kind, 0], p.completion[role, kind, 1]
+    return jnp.minimum(lo + jnp.floor(u * (hi - lo + 1).astype(jnp.float64)).astype(jnp.int32), hi)
+
+
+def _visible(p: Params, role, completion):
+    return jnp.floor(completion.astype(jnp.float64) * p.answer_fraction[role]).astype(jnp.int32)
+
+
+def _distractor(p: Params, role, u):
+    return 1 + categorical(u, p.distractor_thr[role])
+
+
+def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_infer):
+    """One slot's calls. u_calls: (N_CALL_SLOTS, N_CALL_U) of the visit; returns (backend, response)."""
+    t, ty, author, s = r.t, r.task_type, r.author, r.ability
+    fold = (r.phase == GENERATE) & b.pending  # the previous Contribute's output joins the draft
+    b = dataclasses.replace(b, draft_ok=jnp.where(fold, b.draft_ok & b.result_ok, b.draft_ok),
+                            draft_tokens=jnp.where(fold, b.draft_tokens + b.result_tokens, b.draft_tokens),
+                            pending=b.pending & ~fold)  # fmt: skip
+    ctx = p.question_tokens + b.draft_tokens  # question + accepted draft
+    judged = ctx + b.part_tokens
+    zeros3f, zeros3i = jnp.zeros(3), jnp.zeros(3, jnp.int32)
+    none3 = jnp.full(3, -1, jnp.int32)
+    out = dict(score=zeros3f, pair=jnp.int32(0), answer_id=jnp.int32(0), prompt=zeros3i, completion=zeros3i,
+               role=zeros3i, truth=none3)
+
+    # infer
+    role_i = _role(world, author, -1, t)
+    true_pair = world.true_pair[ty]
+    n_pairs = world.pair_abilities.shape[0]
+    others = jnp.arange(n_pairs) != true_pair
+    wrong = pick_from_mask(u_infer[D.INFER_WRONG_PAIR], others)
+    ok_infer = (u_infer[D.INFER_CORRECT] < p.p_infer[role_i]) | (n_pairs == 1)
+    inferred = jnp.where(ok_infer, true_pair, wrong)
+    infer_out = dict(out, pair=inferred, role=zeros3i.at[0].set(role_i),
+                     truth=none3.at[0].set((inferred == true_pair).astype(jnp.int32)),
+                     prompt=zeros3i.at[0].set(p.prompt[role_i, K_INFER] + p.question_tokens),
+                     completion=zeros3i.at[0].set(_completion(p, role_i, K_INFER, u_infer[D.INFER_TOKENS])))  # fmt: skip
+    infer_b = dataclasses.replace(at(initial_backend(EngineConfig(1, 1, 1, 1, 1)), 0), pair_ok=inferred == true_pair)
+
+    # generate
+    ug = u_calls[D.GENERATE]
+    role_g = _role(world, author, s, t)
+    part_ok = ug[D.U_MAIN] < p.p_part[role_g, ty]
+    comp_g = _completion(p, role_g, K_GENERATE, ug[D.U_TOKENS])
+    answer_ok = jnp.where(b.pair_ok, part_ok & (b.draft_ok | (ug[D.U_AUX] < p.p_rescue[role_g])),
+                          ug[D.U_AUX] < p.p_part[WEAK, ty])  # fmt: skip
+    answer_id = jnp.where(answer_ok, 0, _distractor(p, role_g, ug[D.U_DISTRACTOR]))
+    part_tokens = _visible(p, role_g, comp_g)
+    gen_out = dict(out, answer_id=jnp.where(r.finalize, answer_id, 0), role=zeros3i.at[0].set(role_g),
+                   truth=none3.at[0].set(jnp.where(r.finalize, answer_ok, part_ok).astype(jnp.int32)),
+                   prompt=zeros3i.at[0].set(p.prompt[role_g, K_GENERATE] + ctx), completion=zeros3i.at[0].set(comp_g))  # fmt: skip
+    gen_b = dataclasses.replace(
+        b, part_ok=part_ok, part_role=role_g, part_tokens=part_tokens, answer_ok=answer_ok & r.finalize,
+        answer_tokens=part_tokens, result_ok=jnp.where(r.finalize, answer_ok, part_ok), result_tokens=part_tokens,
+        pending=~r.finalize)  # fmt: skip
+
+    # review samples (3) / committee rounds (2)
+    def sample(kind, k, thr_table, repeat_of, use_repeat, p_repeat):
+        agent = r.agent[k]
+        role = _role(world, agent, s, t)
+        u = u_calls[kind_slot(kind, k)]
+        drawn = jnp.asarray(ANCHORS)[categorical(u[D.U_MAIN], thr_table[role, b.part_role, b.part_ok.astype(jnp.int32)])]
+        score = jnp.where(use_repeat & (u[D.U_AUX] < p_repeat[role]), repeat_of, drawn)
+        comp = _completion(p, role, kind, u[D.U_TOKENS])
+        return score, comp, role
+
+    def kind_slot(kind, k):
+        return {K_REVIEW: D.REVIEW_SAMPLES, K_COMMITTEE1: D.ROUND1, K_COMMITTEE2: D.ROUND2}[kind][k]
+
+    judged_truth = jnp.full(3, b.part_ok.astype(jnp.int32))
+    s0, c0, _ = sample(K_REVIEW, 0, p.review_thr, 0.0, False, p.rho_same)
+    s1, c1, _ = sample(K_REVIEW, 1, p.review_thr, s0, True, p.rho_same)
+    s2, c2, _ = sample(K_REVIEW, 2, p.review_thr, s0, True, p.rho_same)
+    role_r = _role(world, r.agent[0], s, t)
+    rev_out = dict(out, score=jnp.stack([s0, s1, s2]), role=jnp.full(3, role_r), truth=judged_truth,
+                   prompt=jnp.full(3, p.prompt[role_r, K_REVIEW] + judged, jnp.int32), completion=jnp.stack([c0, c1, c2]))  # fmt: skip
+
+    a0, ca0, ra0 = sample(K_COMMITTEE1, 0, p.review_thr, 0.0, False, p.rho_same)
+    a1, ca1, ra1 = sample(K_COMMITTEE1, 1, p.review_thr, 0.0, False, p.rho_same)
+    r1_prompt = jnp.stack([p.prompt[ra0, K_COMMITTEE1], p.prompt[ra1, K_COMMITTEE1], 0]) + judged
+    r1_out = dict(out, score=jnp.stack([a0, a1, 0.0]), prompt=r1_prompt.at[2].set(0), completion=jnp.stack([ca0, ca1, 0]),
+                  role=jnp.stack([ra0, ra1, 0]), truth=judged_truth)
+    r1_b = dataclasses.replace(b, explanation_tokens=_visible(p, ra0, ca0) + _visible(p, ra1, ca1))
+
+    v0, cv0, rv0 = sample(K_COMMITTEE2, 0, p.round2_thr, r.other_score[0], True, p.p_follow)
+    v1, cv1, rv1 = sample(K_COMMITTEE2, 1, p.round2_thr, r.other_score[1], True, p.p_follow)
+    r2_prompt = jnp.stack([p.prompt[rv0, K_COMMITTEE2], p.prompt[rv1, K_COMMITTEE2], 0]) + judged + b.explanation_tokens
+    r2_out = dict(out, score=jnp.stack([v0, v1, 0.0]), prompt=r2_prompt.at[2].set(0), completion=jnp.stack([cv0, cv1, 0]),
+                  role=jnp.stack([rv0, rv1, 0]), truth=judged_truth)
+
+    # takeover: candidates, then synthesis by member A
+    def candidate(k):
+        role = _role(world, r.agent[k], s, t)
+        comp = _completion(p, role, K_CANDIDATE, u_calls[D.CANDIDATES[k], D.U_TOKENS])
+        return p.prompt[role, K_CANDIDATE] + judged, comp, _visible(p, role, comp), role
+
+    pa, ca, va, rca = candidate(0)
+    pb, cb, vb, rcb = candidate(1)
+    cand_out = dict(out, prompt=jnp.stack([pa, pb, 0]), completion=jnp.stack([ca, cb, 0]), role=jnp.stack([rca, rcb, 0]))
+    cand_b = dataclasses.replace(b, candidate_tokens=va + vb)
+
+    us = u_calls[D.SYNTHESIS]
+    role_s = _role(world, r.agent[0], s, t)
+    original_ok = jnp.where(r.finalize, b.answer_ok, b.part_ok)
+    synth_ok = us[D.U_MAIN] < jnp.where(original_ok, p.p_keep[role_s], p.p_fix[role_s])
+    comp_s = _completion(p, role_s, K_SYNTHESIS, us[D.U_TOKENS])
+    synth_id = jnp.where(synth_ok, 0, _distractor(p, role_s, us[D.U_DISTRACTOR]))
+    synth_out = dict(out, answer_id=jnp.where(r.finalize, synth_id, 0),
+                     prompt=zeros3i.at[0].set(p.prompt[role_s, K_SYNTHESIS] + judged + b.candidate_tokens),
+                     completion=zeros3i.at[0].set(comp_s), role=zeros3i.at[0].set(role_s),
+                     truth=none3.at[0].set(synth_ok.astype(jnp.int32)))  # fmt: skip
+    synth_b = dataclasses.replace(b, result_ok=synth_ok, result_tokens=_visible(p, role_s, comp_s))
+
+    branches = {INFER: (infer_b, infer_out), GENERATE: (gen_b, gen_out), REVIEW: (b, rev_out),
+                ROUND1: (r1_b, r1_out), ROUND2: (b, r2_out), CANDIDATES: (cand_b, cand_out),
+                SYNTH: (synth_b, synth_out)}  # fmt: skip
+    new_b, resp = b, out
+    for phase, (bb, oo) in branches.items():
+        hit = r.phase == phase
+        new_b = jax.tree_util.tree_map(lambda x, y: jnp.where(hit, x, y), bb, new_b)
+        resp = jax.tree_util.tree_map(lambda x, y: jnp.where(hit, x, y), oo, resp)
+    mask = r.mask
+    return new_b, Responses(
+        score=resp["score"], pair=resp["pair"], answer_id=resp["answer_id"],
+        prompt_tokens=jnp.where(mask, resp["prompt"], 0), completion_tokens=jnp.where(mask, resp["completion"], 0),
+        parse_ok=mask, role=resp["role"], truth=jnp.where(mask, resp["truth"], -1),
+    )  # fmt: skip
+
+
+def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, requests: Requests):
+    """The emulated backend for all slots of one stream."""
+    idx = jnp.maximum(requests.t - 1, 0)
+    u_calls = world.draws.calls[idx, requests.visit]  # (S, 11, 4)
+    u_infer = world.draws.infer[idx]  # (S, 3)
+    return jax.vmap(emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(p, world, backend, requests, u_calls, u_infer)
+
+
+@pytree
+class ReviewRecord:
+    valid: jax.Array
+    t: jax.Array
+    visit: jax.Array
+    finalize: jax.Array
+    author: jax.Array
+    ability: jax.Array
+    probe: jax.Array
+    reviewer: jax.Array
+    samples: jax.Array  # (3,)
+    q0: jax.Array
+    s_u: jax.Array
+    committee: jax.Array
+    member_a: jax.Array
+    member_b: jax.Array
+    round1: jax.Array  # (2,)
+    round2: jax.Array  # (2,)
+    q: jax.Array
+    takeover: jax.Array
+    obs: Observation
+
+
+def _reviewers(world: World, net: Net, author, ability):
+    return world.adjacency[author] & (net.state == NORMAL) & world.holds[:, ability]
+
+
+def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
+    """Apply one slot's responses; route until its next model call. Returns (net, slot, record)."""
+    t, phase, ty = slot.t, slot.phase, world.task_type[jnp.maximum(slot.t - 1, 0)]
+    u_route = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1)]
+    n_calls = jnp.sum(resp.parse_ok)
+    slot = dataclasses.replace(slot, calls=slot.calls + n_calls,
+                               prompt_tokens=slot.prompt_tokens + resp.prompt_tokens.sum(),
+                               completion_tokens=slot.completion_tokens + resp.completion_tokens.sum())  # fmt: skip
+    author, s = slot.agent, slot.ability
+    reviewers = _reviewers(world, net, author, s)
+
+    # INFER -> routing
+    after_infer = dataclasses.replace(_log_action(slot, A_INFER), pair=resp.pair, phase=jnp.int32(ROUTE))
+    # GENERATE -> initial review (or accept unreviewed)
+    no_reviewer = ~reviewers.any()
+    after_gen = dataclasses.replace(
+        slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id),
+        reviewer=pick_from_mask(u_route[D.REVIEWER], reviewers), phase=jnp.int32(REVIEW),
+        unreviewed=slot.unreviewed + no_reviewer)  # fmt: skip
+    # REVIEW -> committee or done
+    x = resp.score
+    q0 = jnp.sort(x)[1]
+    mean = (x[0] + x[1] + x[2]) / 3.0
+    s_u = jnp.sqrt(((x[0] - mean) ** 2 + (x[1] - mean) ** 2 + (x[2] - mean) ** 2) / 2.0)
+    committee = (le_tol(q0, p.tau_to, p.tol) | gt_tol(s_u, p.sigma_com, p.tol)
+                 | (net.state[author] == WATCHED) | slot.probe_visit)  # fmt: skip
+    n_rev = reviewers.sum()
+    a = pick_from_mask(u_route[D.COMMITTEE_A], reviewers)
+    b = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], reviewers.at[a].set(False)), a)
+    after_review = dataclasses.replace(slot, samples=x, q0=q0, s_u=s_u, committee=committee, q=q0,
+                                       member_a=jnp.where(committee, a, -1), member_b=jnp.where(committee, b, -1),
+                                       phase=jnp.where(committee, ROUND1, phase).astype(jnp.int32))  # fmt: skip
+    after_r1 = dataclasses.replace(slot, round1=x[:2], phase=jnp.int32(ROUND2))
+    q = (x[0] + x[1]) / 2.0
+    low = le_tol(q, p.tau_to, p.tol)
+    after_r2 = dataclasses.replace(slot, round2=x[:2], q=q, phase=jnp.where(low, CANDIDATES, phase).astype(jnp.int32))
+    after_cand = dataclasses.replace(slot, phase=jnp.int32(SYNTH))
+    after_synth = dataclasses.replace(slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id))
+
+    table = {INFER: after_infer, GENERATE: after_gen, REVIEW: after_review, ROUND1: after_r1,
+             ROUND2: after_r2, CANDIDATES: after_cand, SYNTH: after_synth}  # fmt: skip
+    new = slot
+    for ph, candidate in table.items():
+        new = jax.tree_util.tree_map(lambda c, o: jnp.where(phase == ph, c, o), candidate, new)
+
+    evidence = ((phase == REVIEW) & ~committee) | ((phase == ROUND2) & ~low) | (phase == SYNTH)
+    accepted = evidence | ((phase == GENERATE) & no_reviewer)
+    observed_net, obs = observe(p, world, net, author, ty, s, new.q, t)
+    net = jax.tree_util.tree_map(lambda o, n: jnp.where(evidence, o, n), observed_net, net)
+    record = ReviewRecord(
+        valid=evidence, t=t, visit=slot.moves, finalize=slot.finalize, author=author, ability=s,
+        probe=slot.probe_visit, reviewer=new.reviewer, samples=new.samples, q0=new.q0, s_u=new.s_u,
+        committee=new.committee, member_a=new.member_a, member_b=new.member_b, round1=new.round1,
+        round2=new.round2, q=new.q, takeover=new.committee & (phase == SYNTH), obs=obs,
+    )  # fmt: skip
+
+    # An accepted output: Finalize answers; Contribute covers its ability and hands off.
+    finished = _finish(_log_action(new, A_FINALIZE), True, 0)
+    contributed = _log_action(new, A_CONTRIBUTE)
+    covered = contributed.covered.at[s].set(True)
+    contributed = dataclasses.replace(contributed, covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False))
+    missing = world.pair_abilities[contributed.pair] & ~covered
+    handed = _next_hop(p, world, net, contributed, missing, u_route, A_HANDOFF)
+    handed = dataclasses.replace(handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32))
+    post = jax.tree_util.tree_map(lambda f, h: jnp.where(slot.finalize, f, h), finished, handed)
+    new = jax.tree_util.tree_map(lambda a_, b_: jnp.where(accepted, a_, b_), post, new)
+    net, new = _route(cfg, p, world, net, new, t, draws_t)
+    return net, new, record
+
+
+# ----------------------------------------------------------------------------------------------
+# One round, scanned; the driver
+# ----------------------------------------------------------------------------------------------
+
+
+@pytree
+class Carry:
+    net: Net
+    slots: Slots
+    backend: Backend
+    next_t: jax.Array  # next task to enter
+
+
+@pytree
+class RoundRecords:
+    requests: Requests
+    responses: Responses
+    reviews: ReviewRecord  # (S,)
+    review_truth: jax.Array  # (S, 4) backend: part_ok, part_role, correct before, correct after
+    author_degraded: jax.Array  # (S,)
+    finished: Slots  # (S,) snapshot of slots that finished this round
+    finished_mask: jax.Array  # (S,)
+    finished_truth: jax.Array  # (S, 2) backend: answer correct, pair correct
+
+
+def initial_carry(cfg: EngineConfig, world: World) -> Carry:
+    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg), jnp.int32(1))
+
+
+def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, RoundRecords]:
+    net, slots, backend, next_t = carry.net, carry.slots, carry.backend, carry.next_t
+    # 1. idle slots take the next tasks, in slot order (continuous batching)
+    for k in range(cfg.slots):
+        take = (slots.phase[k] == IDLE) & (next_t <= cfg.n_tasks)
+        draws_t = at(world.draws, jnp.minimum(next_t, cfg.n_tasks) - 1)
+        started = dataclasses.replace(_start(cfg, p, world, net, at(slots, k), next_t, draws_t), pair=jnp.int32(-1))
+        slots = put(slots, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), started, at(slots, k)))
+        fresh = at(initial_backend(dataclasses.replace(cfg, slots=1)), 0)
+        backend = put(backend, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), fresh, at(backend, k)))
+        next_t = next_t + take
+    # 2. emit -> backend
+    requests = emit(cfg, p, world, slots)
+    backend_before = backend
+    backend, responses = emulate(cfg, p, world, backend, requests)
+    # 3. absorb, in task order
+    order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
+
+    def absorb_one(n, state):
+        net, slots, reviews = state
+        k = order[n]
+        draws_t = at(world.draws, jnp.maximum(slots.t[k], 1) - 1)
+        net, one, record = absorb_slot(cfg, p, world, net, at(slots, k), at(responses, k), draws_t)
+        return net, put(slots, k, one), put(reviews, k, record)
+
+    empty_reviews = jax.vmap(lambda _: _empty_review())(jnp.arange(cfg.slots))
+    net, slots, reviews = jax.lax.fori_loop(0, cfg.slots, absorb_one, (net, slots, empty_reviews))
+    idx = jnp.maximum(slots.t, 1)
+    review_truth = jnp.stack([backend.part_ok.astype(jnp.int32), backend.part_role,
+                              jnp.where(reviews.finalize, backend.answer_ok, backend.part_ok).astype(jnp.int32),
+                              backend.result_ok.astype(jnp.int32)], axis=1)  # fmt: skip
+    author_degraded = world.degraded[idx, jnp.maximum(reviews.author, 0)]
+    finished_mask = slots.phase == FINISHED
+    finished_truth = jnp.stack([(slots.answered & backend.result_ok).astype(jnp.int32),
+                                backend.pair_ok.astype(jnp.int32)], axis=1)  # fmt: skip
+    records = RoundRecords(requests, responses, reviews, review_truth, author_degraded, slots, finished_mask,
+                           finished_truth)  # fmt: skip
+    del backend_before
+    slots = dataclasses.replace(slots, phase=jnp.where(finished_mask, IDLE, slots.phase).astype(jnp.int32),
+                                t=jnp.where(finished_mask, 0, slots.t))  # fmt: skip
+    return Carry(net, slots, backend, next_t), records
+
+
+def _empty_review() -> ReviewRecord:
+    zi, zf, zb = jnp.int32(0), jnp.float64(0), jnp.bool_(False)
+    return ReviewRecord(valid=zb, t=zi, visit=zi, finalize=zb, author=zi, ability=zi, probe=zb, reviewer=zi,
+                        samples=jnp.zeros(3), q0=zf, s_u=zf, committee=zb, member_a=zi, member_b=zi,
+                        round1=jnp.zeros(2), round2=jnp.zeros(2), q=zf, takeover=zb,
+                        obs=Observation(z=zf, z_defined=zb, before=zi, after=zi, reason=zi))  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int):
+    """n_rounds rounds of every stream (leading stream axis on world, carry; p shared or batched)."""
+
+    def one_stream(p, world, carry):
+        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
+
+    return jax.vmap(one_stream, in_axes=(None, 0, 0))(p, world, carry)
+
+
+def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
+    """(streams,) bool: every task entered and every slot idle."""
+    return np.asarray((carry.next_t > cfg.n_tasks) & jnp.all(carry.slots.phase == IDLE, axis=-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: build inputs, run chunks, gather records into the reference's tables
+# ----------------------------------------------------------------------------------------------
+
+
+def stack(trees):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+@dataclasses.dataclass
+class StreamSpec:
+    network: Network
+    stream: Stream
+    schedule: HealthSchedule
+    pair: Pair
+    labels: dict
+
+
+def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int = 512) -> list[dict]:
+    """Run streams of one shape as one vmapped program; per stream the four record tables (dict of columns)."""
+    first = specs[0]
+    profile = first.network.profile
+    n_tasks = first.stream.n_tasks
+    if slots < 1 or slots > max(first.network.n_agents // 6, 1) or slots > n_tasks:
+        raise MeshHealError(f"slots must be in 1..{max(first.network.n_agents // 6, 1)} (N/6) and <= tasks, got {slots}")
+    cfg = EngineConfig(
+        n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
+        n_pairs=len(profile.pairs), n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
+        window_shortfalls=protocol.window_shortfalls, n_distractors=first.pair.strong.n_distractors,
+        route_loop=protocol.move_limit + 4,
+    )  # fmt: skip
+    for spec in specs:
+        if spec.stream.n_tasks != n_tasks or spec.network.n_agents != cfg.n_agents or spec.pair.name != first.pair.name:
+            raise MeshHealError("streams batched together need the same length, agents and pair")
+    params = make_params(protocol, first.pair, profile, cfg.n_agents)
+    if any(s.network.profile.dataset != profile.dataset for s in specs):
+        # p_part differs per dataset: batch the parameters too
+        params = stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs])
+        runner = _run_rounds_batched_params
+    else:
+        runner = run_rounds
+    worlds = stack([make_world(s.network, s.stream, s.schedule,
+                               D.stream_draws(s.stream.seed, s.stream.dataset_id, n_tasks)) for s in specs])  # fmt: skip
+    carry = jax.vmap(lambda w: initial_carry(cfg, w))(worlds)
+    chunks = []
+    while not done(cfg, carry).all():
+        carry, records = runner(cfg, params, worlds, carry, chunk)
+        chunks.append(jax.tree_util.tree_map(np.asarray, records))
+    records = jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, axis=1), *chunks)
+    worlds_np = jax.tree_util.tree_map(np.asarray, worlds)
+    return [_tables(cfg, spec, at(records, k), at(worlds_np, k)) for k, spec in enumerate(specs)]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _run_rounds_batched_params(cfg, p, world, carry, n_rounds):
+    def one_stream(p, world, carry):
+        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
+
+    return jax.vmap(one_stream)(p, world, carry)
+
+
+def _tables(cfg: EngineConfig, spec: StreamSpec, rec: RoundRecords, world) -> dict:
+    """One stream's (rounds, S, ...) records -> rows like reference.StreamRecords (lists of dicts)."""
+    labels = spec.labels
+    models = (spec.pair.strong.model, spec.pair.weak.model)
+    rq, rs = rec.requests, rec.responses
+    calls = []
+    kinds = CALL_KINDS
+    mask = rq.mask
+    for r_, k_, c_ in zip(*np.nonzero(mask)):
+        kind = int(rq.kind[r_, k_, c_])
+        finalize = bool(rq.finalize[r_, k_])
+        infer = kind == K_INFER
+        truth = int(rs.truth[r_, k_, c_])
+        calls.append(dict(
+            labels, t=int(rq.t[r_, k_]), visit=int(rq.visit[r_, k_]), kind=kinds[kind], agent=int(rq.agent[r_, k_, c_]),
+            author=-1 if infer else int(rq.author[r_, k_]), ability=-1 if infer else int(rq.ability[r_, k_]),
+            model=models[int(rs.role[r_, k_, c_])], prompt_tokens=int(rs.prompt_tokens[r_, k_, c_]),
+            completion_tokens=int(rs.completion_tokens[r_, k_, c_]), latency_s=0.0, parse_status="ok",
+            score=float(rs.score[r_, k_, c_]) if kind in (K_REVIEW, K_COMMITTEE1, K_COMMITTEE2) else None,
+            answer_id=int(rs.answer_id[r_, k_]) if finalize and kind in (K_GENERATE, K_SYNTHESIS) else None,
+            correct=None if truth < 0 else bool(truth),
+        ))  # fmt: skip
+    reviews, states = [], []
+    rv = rec.reviews
+    for r_, k_ in zip(*np.nonzero(rv.valid)):
+        committee = bool(rv.committee[r_, k_])
+        obs_z = float(rv.obs.z[r_, k_]) if rv.obs.z_defined[r_, k_] else None
+        before, after = STATE_NAMES[int(rv.obs.before[r_, k_])], STATE_NAMES[int(rv.obs.after[r_, k_])]
+        truth = rec.review_truth[r_, k_]
+        t = int(rv.t[r_, k_])
+        reviews.append(dict(
+            labels, t=t, visit=int(rv.visit[r_, k_]), action="finalize" if rv.finalize[r_, k_] else "contribute",
+            author=int(rv.author[r_, k_]), ability=int(rv.ability[r_, k_]),
+            author_degraded=bool(rec.author_degraded[r_, k_]), author_model=ROLE_NAMES[int(truth[1])],
+            part_correct=bool(truth[0]), probe=bool(rv.probe[r_, k_]), reviewer=int(rv.reviewer[r_, k_]),
+            u1=float(rv.samples[r_, k_, 0]), u2=float(rv.samples[r_, k_, 1]), u3=float(rv.samples[r_, k_, 2]),
+            q0=float(rv.q0[r_, k_]), s_u=float(rv.s_u[r_, k_]), committee=committee,
+            committee_a=int(rv.member_a[r_, k_]) if committee else -1,
+            committee_b=int(rv.member_b[r_, k_]) if committee else -1,
+            v_a1=float(rv.round1[r_, k_, 0]) if committee else None, v_b1=float(rv.round1[r_, k_, 1]) if committee else None,
+            v_a=float(rv.round2[r_, k_, 0]) if committee else None, v_b=float(rv.round2[r_, k_, 1]) if committee else None,
+            q=float(rv.q[r_, k_]), takeover=bool(rv.takeover[r_, k_]), correct_before=bool(truth[2]),
+            correct_after=bool(truth[3]), z=obs_z, state_before=before, state_after=after,
+        ))  # fmt: skip
+        if before != after:
+            states.append(dict(labels, t=t, agent=int(rv.author[r_, k_]), **{"from": before, "to": after}, z=obs_z,
+                               reason=REASON_NAMES[int(rv.obs.reason[r_, k_])], probe=bool(rv.probe[r_, k_]),
+                               degraded=bool(rec.author_degraded[r_, k_])))  # fmt: skip
+    tasks = []
+    fs = rec.finished
+    for r_, k_ in zip(*np.nonzero(rec.finished_mask)):
+        t = int(fs.t[r_, k_])
+        answered = bool(fs.answered[r_, k_])
+        route = fs.route[r_, k_, : int(fs.route_len[r_, k_])]
+        actions = fs.actions[r_, k_, : int(fs.n_actions[r_, k_])]
+        prompt, completion = int(fs.prompt_tokens[r_, k_]), int(fs.completion_tokens[r_, k_])
+        tasks.append(dict(
+            labels, t=t, task_type=int(world.task_type[t - 1]), phase=int(spec.stream.phase[t - 1]),
+            entry=int(fs.entry[r_, k_]), route="-".join(str(int(a)) for a in route),
+            actions=",".join(ACTION_NAMES[int(a)] for a in actions), moves=int(fs.moves[r_, k_]),
+            answered=answered, correct=bool(rec.finished_truth[r_, k_, 0]),
+            answer_id=int(fs.answer_id[r_, k_]) if answered else -1, inferred_pair=int(fs.pair[r_, k_]),
+            pair_correct=bool(rec.finished_truth[r_, k_, 1]), unreviewed=int(fs.unreviewed[r_, k_]),
+            end=END_NAMES[int(fs.end[r_, k_])], calls=int(fs.calls[r_, k_]), prompt_tokens=prompt,
+            completion_tokens=completion, tokens=prompt + completion,
+        ))  # fmt: skip
+    tasks.sort(key=lambda row: row["t"])
+    return {"tasks": tasks, "reviews": reviews, "states": states, "calls": calls}
