@@ -128,7 +128,7 @@ def print_report(rows: list[dict], title: str) -> None:
 def body(cfg: ReportConfig) -> None:
     exp = runner.Experiment(
         name="main", datasets=("bbh", "math", "mmlu_pro"), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
-        engine=cfg.engine, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        engine=cfg.engine, slots=cfg.slots, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
     )  # fmt: skip
     results = runner.run(exp, cfg.out, progress=not cfg.quiet)
     rows = evaluate({pair: per_seed_contexts(results, exp, pair) for pair in exp.pairs})

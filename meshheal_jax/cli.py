@@ -24,8 +24,10 @@ class CommonFlags:
     """explicit seeds (overrides --seeds)"""
     pair: str = "default"
     """model pair: default | A | B"""
-    engine: Literal["reference"] = "reference"
-    """simulation engine (the JAX engine lands with issue 4)"""
+    engine: Literal["jax", "reference"] = "jax"
+    """simulation engine: jax (vectorized, default) or reference (plain Python, one task at a time)"""
+    slots: int = 1
+    """in-flight tasks per stream (jax engine; at most agents/6; 1 = the paper's sequential semantics)"""
     out: Path | None = None
     """run folder (default runs/<experiment>-<timestamp>); an existing run folder resumes"""
     profiles_dir: Path | None = None

@@ -117,7 +117,8 @@ class World:
     adjacency: jax.Array  # (N, N) bool
     task_type: jax.Array  # (n_tasks,) int
     true_pair: jax.Array  # (T,) int: documented pair of each type
-    pair_abilities: jax.Array  # (P, A) bool
+    pair_abilities: jax.Array  # (P, A) bool, P padded to the number of task types
+    pair_valid: jax.Array  # (P,) bool: a documented pair (not padding)
     degraded: jax.Array  # (n_tasks + 1, N) bool  [backend only]
     draws: D.TaskDraws  # leading (n_tasks,)
 
@@ -159,14 +160,15 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
 def make_world(network: Network, stream: Stream, schedule: HealthSchedule, draws: D.TaskDraws) -> World:
     profile = network.profile
     pairs = profile.pairs
-    pair_abilities = np.zeros((len(pairs), len(profile.abilities)), dtype=bool)
+    n_types = len(profile.task_types)
+    pair_abilities = np.zeros((n_types, len(profile.abilities)), dtype=bool)
     for k, pair in enumerate(pairs):
         pair_abilities[k, list(pair)] = True
     return World(
         holds=jnp.asarray(network.holds), adjacency=jnp.asarray(network.adjacency),
         task_type=jnp.asarray(stream.task_type, dtype=jnp.int32),
         true_pair=jnp.asarray([profile.pair_index(ty) for ty in range(len(profile.task_types))], dtype=jnp.int32),
-        pair_abilities=jnp.asarray(pair_abilities), degraded=jnp.asarray(schedule.degraded_matrix()),
+        pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(pairs), degraded=jnp.asarray(schedule.degraded_matrix()),
         draws=jax.tree_util.tree_map(jnp.asarray, draws),
     )  # fmt: skip
 
@@ -623,10 +625,9 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     # infer
     role_i = _role(world, author, -1, t)
     true_pair = world.true_pair[ty]
-    n_pairs = world.pair_abilities.shape[0]
-    others = jnp.arange(n_pairs) != true_pair
+    others = world.pair_valid & (jnp.arange(world.pair_valid.shape[0]) != true_pair)
     wrong = pick_from_mask(u_infer[D.INFER_WRONG_PAIR], others)
-    ok_infer = (u_infer[D.INFER_CORRECT] < p.p_infer[role_i]) | (n_pairs == 1)
+    ok_infer = (u_infer[D.INFER_CORRECT] < p.p_infer[role_i]) | ~others.any()
     inferred = jnp.where(ok_infer, true_pair, wrong)
     infer_out = dict(out, pair=inferred, role=zeros3i.at[0].set(role_i),
                      truth=none3.at[0].set((inferred == true_pair).astype(jnp.int32)),
@@ -951,7 +952,7 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
         raise MeshHealError(f"slots must be in 1..{max(first.network.n_agents // 6, 1)} (N/6) and <= tasks, got {slots}")
     cfg = EngineConfig(
         n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
-        n_pairs=len(profile.pairs), n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
+        n_pairs=len(profile.task_types), n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
         window_shortfalls=protocol.window_shortfalls, n_distractors=first.pair.strong.n_distractors,
         route_loop=protocol.move_limit + 4,
     )  # fmt: skip

@@ -25,7 +25,7 @@ class MainConfig(CommonFlags):
 def experiment(cfg: MainConfig) -> runner.Experiment:
     return runner.Experiment(
         name="main", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
-        engine=cfg.engine, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded), protocol=cfg.protocol,
+        engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded), protocol=cfg.protocol,
         profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
     )  # fmt: skip
 

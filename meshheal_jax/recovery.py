@@ -28,7 +28,7 @@ class RecoveryConfig(CommonFlags):
 def experiment(cfg: RecoveryConfig) -> runner.Experiment:
     return runner.Experiment(
         name="recovery", datasets=(cfg.dataset,), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
-        engine=cfg.engine, n_tasks=cfg.tasks, protocol=cfg.protocol,
+        engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, protocol=cfg.protocol,
         profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
     )  # fmt: skip
 

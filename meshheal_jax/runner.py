@@ -38,7 +38,8 @@ class Experiment:
     pairs: tuple[str, ...]
     seeds: tuple[int, ...]
     method: str = "meshheal"
-    engine: str = "reference"
+    engine: str = "jax"
+    slots: int = 1  # in-flight tasks per stream (jax engine; 1 = the paper's sequential semantics)
     backend: str = "emulated"
     n_agents: int = 6
     n_tasks: int = 504
@@ -52,8 +53,12 @@ class Experiment:
             raise MeshHealError("no seeds given")
         if any(s < 0 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
             raise MeshHealError(f"seeds must be distinct and >= 0, got {list(self.seeds)}")
-        if self.engine != "reference":
-            raise MeshHealError(f"engine {self.engine!r} is not available (only 'reference' so far)")
+        if self.engine not in ("jax", "reference"):
+            raise MeshHealError(f"unknown engine {self.engine!r}; known: jax, reference")
+        if self.engine == "reference" and self.slots != 1:
+            raise MeshHealError("the reference engine runs one task at a time: use --slots 1 or --engine jax")
+        if not 1 <= self.slots <= max(self.n_agents // 6, 1):
+            raise MeshHealError(f"slots must be in 1..{max(self.n_agents // 6, 1)} (at most N/6), got {self.slots}")
         if self.backend != "emulated":
             raise MeshHealError(f"backend {self.backend!r} is not available (only 'emulated' so far)")
         for dataset in self.datasets:
@@ -146,16 +151,32 @@ def _part_dir(run_dir: Path, dataset: str, pair: str, seed: int) -> Path:
     return run_dir / "parts" / f"{dataset}-{pair}-seed{seed}"
 
 
-def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:
+def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int):
     profile = load_profile(dataset, exp.profiles_dir)
     network = build_network(profile, exp.n_agents)
     starts, names = exp.phases()
     stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
     labels = {"method": exp.method, "dataset": dataset, "pair": pair_name, "seed": seed}
-    records = reference.run_stream(
-        network, exp.protocol, load_pair(pair_name, exp.params_dir), stream, exp.schedule(), labels
-    )
+    return network, stream, load_pair(pair_name, exp.params_dir), labels
+
+
+def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:
+    """The reference engine, one stream."""
+    network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
+    records = reference.run_stream(network, exp.protocol, pair, stream, exp.schedule(), labels)
     return {name: metrics.frame(name, getattr(records, name)) for name in TABLES}
+
+
+def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]]) -> list[dict[str, pl.DataFrame]]:
+    """The JAX engine: every stream of one pair as one vmapped program."""
+    from meshheal_jax import engine  # imported here: the reference path needs no compilation
+
+    specs = []
+    for dataset, pair_name, seed in streams:
+        network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
+        specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
+    tables = engine.run_streams(specs, exp.protocol, slots=exp.slots)
+    return [{name: metrics.frame(name, t[name]) for name in TABLES} for t in tables]
 
 
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
@@ -186,10 +207,20 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo))
-        for dataset, pair, seed in todo:
-            bar.update(job, description=f"{exp.name}: {dataset} pair={pair} seed={seed}")
-            _write_part(_part_dir(run_dir, dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
-            bar.advance(job)
+        if exp.engine == "reference":
+            for dataset, pair, seed in todo:
+                bar.update(job, description=f"{exp.name}: {dataset} pair={pair} seed={seed}")
+                _write_part(_part_dir(run_dir, dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
+                bar.advance(job)
+        else:
+            for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
+                batch = [s for s in todo if s[1] == pair]
+                if not batch:
+                    continue
+                bar.update(job, description=f"{exp.name}: jax engine, pair={pair}, {len(batch)} streams")
+                for stream, frames in zip(batch, run_jax_streams(exp, batch)):
+                    _write_part(_part_dir(run_dir, *stream), frames)
+                    bar.advance(job)
     frames = {
         name: pl.concat([pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet") for s in exp.streams()])
         for name in TABLES
@@ -221,5 +252,5 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
         if len(exp.datasets) > 1:
             results.append({"method": exp.method, "dataset": "mean", "pair": pair,
                             **metrics.mean_over_datasets(per_dataset, exp.seeds)})  # fmt: skip
-    return {"experiment": exp.name, "engine": exp.engine, "backend": exp.backend,
+    return {"experiment": exp.name, "engine": exp.engine, "backend": exp.backend, "slots": exp.slots,
             "n_agents": exp.n_agents, "n_tasks": exp.n_tasks, "results": results}  # fmt: skip
