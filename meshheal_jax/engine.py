@@ -910,9 +910,13 @@ def _empty_review() -> ReviewRecord:
                         obs=Observation(z=zf, z_defined=zb, before=zi, after=zi, reason=zi))  # fmt: skip
 
 
+TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace per shape
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int):
-    """n_rounds rounds of every stream (leading stream axis on world, carry; p shared or batched)."""
+    """n_rounds rounds of every stream (leading stream axis on world and carry; p shared)."""
+    TRACES["run_rounds"] += 1
 
     def one_stream(p, world, carry):
         return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
@@ -980,6 +984,8 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _run_rounds_batched_params(cfg, p, world, carry, n_rounds):
+    """As run_rounds, with a leading stream axis on p too (datasets differ in p_part)."""
+    TRACES["run_rounds"] += 1
     def one_stream(p, world, carry):
         return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
 

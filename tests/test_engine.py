@@ -1,0 +1,157 @@
+"""The JAX engine against the reference engine, and its own invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import polars as pl
+import pytest
+
+from meshheal_jax import engine, metrics, reference
+from meshheal_jax.config import ProtocolParams
+from meshheal_jax.params import load_pair
+from meshheal_jax.streams import make_stream, persistent_schedule, recovery_schedule, RECOVERY_PHASES
+from meshheal_jax.topology import build_network, load_profile
+
+PROTOCOL = ProtocolParams()
+PAIR = load_pair("default")
+TABLES = ("tasks", "reviews", "states", "calls")
+
+
+def main_spec(dataset: str, seed: int, n_tasks: int = 504, n_agents: int = 6) -> engine.StreamSpec:
+    profile = load_profile(dataset)
+    network = build_network(profile, n_agents)
+    stream = make_stream(seed, profile.dataset_id, n_tasks, 7, (1, n_tasks // 2 + 1), ("healthy", "degraded"))
+    schedule = persistent_schedule(n_agents, n_tasks, network.degraded_targets)
+    return engine.StreamSpec(network, stream, schedule, PAIR,
+                             {"method": "meshheal", "dataset": dataset, "pair": "default", "seed": seed})  # fmt: skip
+
+
+def recovery_spec(seed: int) -> engine.StreamSpec:
+    profile = load_profile("math")
+    network = build_network(profile)
+    stream = make_stream(seed, profile.dataset_id, 630, 7, (1, 127, 253, 379, 505), RECOVERY_PHASES)
+    return engine.StreamSpec(network, stream, recovery_schedule(630), PAIR,
+                             {"method": "meshheal", "dataset": "math", "pair": "default", "seed": seed})  # fmt: skip
+
+
+def first_difference(ref_rows: list[dict], jax_rows: list[dict], table: str) -> str | None:
+    """'' if equal; else the first differing row with its task and fields."""
+    a, b = metrics.frame(table, ref_rows), metrics.frame(table, jax_rows)
+    for i in range(min(a.height, b.height)):
+        ra, rb = a.row(i, named=True), b.row(i, named=True)
+        diff = {}
+        for col in ra:
+            x, y = ra[col], rb[col]
+            if isinstance(x, float) and isinstance(y, float):
+                if abs(x - y) > 1e-9:  # z and s_u: float tolerance; everything else exact
+                    diff[col] = (x, y)
+            elif x != y:
+                diff[col] = (x, y)
+        if diff:
+            return f"{table} row {i} (t={ra.get('t')}): {diff}"
+    if a.height != b.height:
+        return f"{table}: {a.height} reference rows vs {b.height} jax rows"
+    return None
+
+
+def assert_equal_to_reference(specs: list[engine.StreamSpec]) -> None:
+    results = engine.run_streams(specs, PROTOCOL)
+    for spec, tables in zip(specs, results):
+        ref = reference.run_stream(spec.network, PROTOCOL, spec.pair, spec.stream, spec.schedule, spec.labels)
+        for table in TABLES:
+            problem = first_difference(getattr(ref, table), tables[table], table)
+            assert problem is None, f"{spec.labels}: {problem}"
+
+
+def test_full_streams_equal_reference_every_dataset():
+    """504-task streams, 3 datasets x 2 seeds, batched in one program: record by record."""
+    assert_equal_to_reference([main_spec(d, s) for d in ("bbh", "math", "mmlu_pro") for s in (0, 3)])
+
+
+def test_recovery_stream_equals_reference():
+    assert_equal_to_reference([recovery_spec(0), recovery_spec(1)])
+
+
+def test_vmap_equals_separate_runs_and_is_deterministic():
+    specs = [main_spec("math", s, 84) for s in (0, 1, 2)]
+    together = engine.run_streams(specs, PROTOCOL)
+    alone = engine.run_streams([specs[1]], PROTOCOL)
+    again = engine.run_streams([specs[1]], PROTOCOL)
+    for table in TABLES:
+        assert together[1][table] == alone[0][table]
+        assert alone[0][table] == again[0][table]
+
+
+def test_compiles_once_per_shape():
+    engine.run_streams([main_spec("bbh", 0, 42)], PROTOCOL, chunk=64)
+    before = engine.TRACES["run_rounds"]
+    engine.run_streams([main_spec("bbh", 5, 42)], PROTOCOL, chunk=64)  # same shapes, other seed
+    engine.run_streams([main_spec("bbh", 6, 42)], PROTOCOL, chunk=64)
+    assert engine.TRACES["run_rounds"] == before
+
+
+def test_jit_equals_no_jit_on_a_short_stretch():
+    spec = main_spec("math", 0, 42)
+    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_pairs=7, n_tasks=42)
+    params = engine.make_params(PROTOCOL, PAIR, spec.network.profile, 6)
+    world = engine.make_world(spec.network, spec.stream, spec.schedule,
+                              engine.D.stream_draws(0, spec.stream.dataset_id, 42))  # fmt: skip
+    carry = engine.initial_carry(cfg, world)
+    step = jax.jit(lambda c: engine.round_step(cfg, params, world, c))
+    jitted, plain = carry, carry
+    for _ in range(12):
+        jitted, rec_j = step(jitted)
+        with jax.disable_jit():
+            plain, rec_p = engine.round_step(cfg, params, world, plain)
+    leaves_j, leaves_p = jax.tree_util.tree_leaves((jitted, rec_j)), jax.tree_util.tree_leaves((plain, rec_p))
+    for x, y in zip(leaves_j, leaves_p):
+        np.testing.assert_allclose(np.asarray(x, dtype=float), np.asarray(y, dtype=float), rtol=0, atol=1e-12)
+    assert int(jitted.next_t) > 1  # the stretch really processed tasks
+
+
+def test_scores_and_z_are_finite():
+    tables = engine.run_streams([main_spec("bbh", 2, 168)], PROTOCOL)[0]
+    reviews = metrics.frame("reviews", tables["reviews"])
+    for col in ("u1", "u2", "u3", "q0", "s_u", "q"):
+        assert reviews[col].is_finite().all()
+    assert reviews["z"].drop_nulls().is_finite().all()
+
+
+def test_controller_never_reads_health_or_truth():
+    """emit and absorb run with the backend-only fields removed from the world."""
+    spec = main_spec("math", 0, 42)
+    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_pairs=7, n_tasks=42)
+    params = engine.make_params(PROTOCOL, PAIR, spec.network.profile, 6)
+    world = engine.make_world(spec.network, spec.stream, spec.schedule,
+                              engine.D.stream_draws(0, spec.stream.dataset_id, 42))  # fmt: skip
+    blind = dataclasses.replace(world, degraded=None, true_pair=None)
+    carry = engine.initial_carry(cfg, world)
+    for _ in range(8):
+        carry, _ = engine.round_step(cfg, params, world, carry)  # advance with the full world
+        requests = engine.emit(cfg, params, blind, carry.slots)
+        _, responses = engine.emulate(cfg, params, world, carry.backend, requests)
+        draws_t = engine.at(world.draws, max(int(carry.slots.t[0]), 1) - 1)
+        engine.absorb_slot(cfg, params, blind, carry.net, engine.at(carry.slots, 0), engine.at(responses, 0), draws_t)
+
+
+def test_slots_above_one_agree_statistically():
+    """12 agents, 2 in-flight tasks vs 1: same accuracy within sampling error (6 seeds)."""
+    specs = [main_spec("mmlu_pro", s, 336, n_agents=12) for s in range(6)]
+    acc = {}
+    for slots in (1, 2):
+        results = engine.run_streams(specs, PROTOCOL, slots=slots)
+        acc[slots] = np.array([np.mean([r["correct"] for r in res["tasks"]]) for res in results])
+        assert all(len(res["tasks"]) == 336 for res in results)
+        assert all(sorted(r["t"] for r in res["tasks"]) == list(range(1, 337)) for res in results)
+    diff = acc[2] - acc[1]
+    standard_error = np.sqrt(2 * 0.85 * 0.15 / 336 / len(specs))
+    assert abs(diff.mean()) < 4 * standard_error, (acc, diff)
+    assert not np.array_equal(acc[1], acc[2])  # evidence order really differs with 2 slots
+
+
+def test_rejects_slots_beyond_n_over_6():
+    with pytest.raises(engine.MeshHealError, match="slots"):
+        engine.run_streams([main_spec("math", 0, 42)], PROTOCOL, slots=2)
