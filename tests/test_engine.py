@@ -102,7 +102,7 @@ def test_jit_equals_no_jit_on_a_short_stretch():
     carry = engine.initial_carry(cfg, world)
     step = jax.jit(lambda c: engine.round_step(cfg, params, world, c))
     jitted, plain = carry, carry
-    for _ in range(12):
+    for _ in range(6):
         jitted, rec_j = step(jitted)
         with jax.disable_jit():
             plain, rec_p = engine.round_step(cfg, params, world, plain)
@@ -128,13 +128,19 @@ def test_controller_never_reads_health_or_truth():
     world = engine.make_world(spec.network, spec.stream, spec.schedule,
                               engine.D.stream_draws(0, spec.stream.dataset_id, 42))  # fmt: skip
     blind = dataclasses.replace(world, degraded=None, true_pair=None)
+    step = jax.jit(lambda c: engine.round_step(cfg, params, world, c)[0])
+    emit_blind = jax.jit(lambda slots: engine.emit(cfg, params, blind, slots))
+    emulate = jax.jit(lambda backend, requests: engine.emulate(cfg, params, world, backend, requests)[1])
+    absorb_blind = jax.jit(lambda net, slot, resp, draws_t: engine.absorb_slot(cfg, params, blind, net, slot, resp, draws_t))
+    emit_full = jax.jit(lambda slots: engine.emit(cfg, params, world, slots))
     carry = engine.initial_carry(cfg, world)
     for _ in range(8):
-        carry, _ = engine.round_step(cfg, params, world, carry)  # advance with the full world
-        requests = engine.emit(cfg, params, blind, carry.slots)
-        _, responses = engine.emulate(cfg, params, world, carry.backend, requests)
+        carry = step(carry)  # advance with the full world
+        requests = emit_blind(carry.slots)
+        assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, requests, emit_full(carry.slots)))
+        responses = emulate(carry.backend, requests)
         draws_t = engine.at(world.draws, max(int(carry.slots.t[0]), 1) - 1)
-        engine.absorb_slot(cfg, params, blind, carry.net, engine.at(carry.slots, 0), engine.at(responses, 0), draws_t)
+        absorb_blind(carry.net, engine.at(carry.slots, 0), engine.at(responses, 0), draws_t)
 
 
 def test_slots_above_one_agree_statistically():
