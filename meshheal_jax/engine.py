@@ -497,13 +497,18 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
 
 
 def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
-    def body(_, carry):
-        net, slot = carry
+    def body(carry):
+        n, net, slot = carry
         stepped = _route_step(p, world, net, slot, t, draws_t)
         active = slot.phase == ROUTE
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, (net, slot))
+        return (n + 1, *jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, (net, slot)))
 
-    return jax.lax.fori_loop(0, cfg.route_loop, body, (net, slot))
+    def more(carry):
+        n, _, slot = carry
+        return (slot.phase == ROUTE) & (n < cfg.route_loop)
+
+    _, net, slot = jax.lax.while_loop(more, body, (jnp.int32(0), net, slot))
+    return net, slot
 
 
 def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> Slots:
@@ -515,7 +520,8 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
     )  # fmt: skip
     column = cfg.n_abilities
 
-    def body(_, slot):
+    def body(carry):
+        n, slot = carry
         i = slot.agent
         relay = (slot.phase == INFER) & (net.state[i] == ISOLATED)
         d = net.distance[i, column]
@@ -523,9 +529,13 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         j = pick_from_mask(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE], hops)
         moved = jax.tree_util.tree_map(lambda a, b: jnp.where(d >= INF, a, b),
                                        _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))  # fmt: skip
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(relay, a, b), moved, slot)
+        return n + 1, jax.tree_util.tree_map(lambda a, b: jnp.where(relay, a, b), moved, slot)
 
-    return jax.lax.fori_loop(0, cfg.route_loop, body, slot)
+    def more(carry):
+        n, slot = carry
+        return (slot.phase == INFER) & (net.state[slot.agent] == ISOLATED) & (n < cfg.route_loop)
+
+    return jax.lax.while_loop(more, body, (jnp.int32(0), slot))[1]
 
 
 # ----------------------------------------------------------------------------------------------
