@@ -87,7 +87,7 @@ def test_summary_keys(main_run):
     _, out = main_run
     summary = json.loads((out / "summary.json").read_text())
     assert summary["experiment"] == "main"
-    assert summary["engine"] == "reference"
+    assert summary["engine"] == "jax"
     assert summary["backend"] == "emulated"
     assert len(summary["results"]) == 1  # one dataset: no "mean" entry
     r = summary["results"][0]
