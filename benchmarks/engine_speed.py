@@ -17,7 +17,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 
 from meshheal_jax import draws as D
 from meshheal_jax import engine, reference
@@ -46,7 +45,7 @@ def simulate(cfg, params, worlds, chunk: int) -> int:
     carry = jax.vmap(lambda w: engine.initial_carry(cfg, w))(worlds)
     rounds = 0
     while not engine.done(cfg, carry).all():
-        carry, records = engine._run_rounds_batched_params(cfg, params, worlds, carry, chunk)
+        carry, records = engine.run_rounds(cfg, params, worlds, carry, chunk, True)
         jax.block_until_ready(records)
         rounds += chunk
     return rounds
@@ -64,13 +63,13 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}), "
           f"jax {jax.__version__}; {len(streams)} streams x 504 tasks = {n_tasks} tasks")  # fmt: skip
 
-    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_pairs=7, n_tasks=504)
+    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_tasks=504)
     params = engine.stack([engine.make_params(protocol, s.pair, s.network.profile, 6) for s in streams])
     worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule,
                                              D.stream_draws(s.stream.seed, s.stream.dataset_id, 504)) for s in streams])  # fmt: skip
     t0 = time.perf_counter()
     carry = jax.vmap(lambda w: engine.initial_carry(cfg, w))(worlds)
-    jax.block_until_ready(engine._run_rounds_batched_params(cfg, params, worlds, carry, args.chunk))
+    jax.block_until_ready(engine.run_rounds(cfg, params, worlds, carry, args.chunk, True))
     compile_s = time.perf_counter() - t0
 
     sim = []

@@ -20,11 +20,10 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 
 from meshheal_jax import draws as D
 from meshheal_jax import metrics, reference
-from meshheal_jax.calibration_report import TARGETS, evaluate, print_report
+from meshheal_jax.calibration_report import evaluate, print_report, seed_context
 from meshheal_jax.cli import entrypoint
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import MODEL_DIR, Pair, dump_model, parse_model
@@ -138,13 +137,9 @@ def measure(x: np.ndarray, base, seeds: tuple[int, ...], pool) -> list[dict]:
     contexts = []
     for k, seed in enumerate(seeds):
         per_dataset = outs[k * len(DATASETS):(k + 1) * len(DATASETS)]
-        frames = {name: [metrics.frame(name, o[name]) for o in per_dataset] for name in ("tasks", "reviews", "states")}
-        streams = {
-            d: metrics.stream_metrics(frames["tasks"][j], frames["reviews"][j], frames["states"][j],
-                                      schedule, ("healthy", "degraded"))
-            for j, d in enumerate(DATASETS)
-        }  # fmt: skip
-        contexts.append({"streams": streams, "audit": metrics.review_audit(pl.concat(frames["reviews"]))})
+        frames = {d: {name: metrics.frame(name, o[name]) for name in ("tasks", "reviews", "states")}
+                  for d, o in zip(DATASETS, per_dataset)}  # fmt: skip
+        contexts.append(seed_context(frames, schedule, ("healthy", "degraded")))
     return evaluate({"default": contexts})
 
 

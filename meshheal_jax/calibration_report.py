@@ -76,22 +76,26 @@ class ReportConfig(CommonFlags):
     """also write the table as JSON here"""
 
 
+def seed_context(frames: dict[str, dict[str, pl.DataFrame]], schedule, phase_names) -> dict:
+    """One seed: metrics of every dataset's stream (frames[dataset][table]) and the review audit
+    pooled over datasets."""
+    streams = {d: metrics.stream_metrics(f["tasks"], f["reviews"], f["states"], schedule, phase_names)
+               for d, f in frames.items()}  # fmt: skip
+    return {"streams": streams, "audit": metrics.review_audit(pl.concat([f["reviews"] for f in frames.values()]))}
+
+
 def per_seed_contexts(results: runner.Results, exp: runner.Experiment, pair: str) -> list[dict]:
-    """Per seed: metrics of every dataset's stream and the review audit pooled over datasets."""
+    """Per seed of a finished run: seed_context over its datasets."""
     schedule = exp.schedule()
     _, phase_names = exp.phases()
     out = []
     for seed in exp.seeds:
-        def pick(df: pl.DataFrame, dataset: str | None = None) -> pl.DataFrame:
-            df = df.filter((pl.col("seed") == seed) & (pl.col("pair") == pair))
-            return df if dataset is None else df.filter(pl.col("dataset") == dataset)
+        def pick(df: pl.DataFrame, dataset: str) -> pl.DataFrame:
+            return df.filter((pl.col("seed") == seed) & (pl.col("pair") == pair) & (pl.col("dataset") == dataset))
 
-        streams = {
-            d: metrics.stream_metrics(pick(results.tasks, d), pick(results.reviews, d),
-                                      pick(results.states, d), schedule, phase_names)
-            for d in exp.datasets
-        }  # fmt: skip
-        out.append({"streams": streams, "audit": metrics.review_audit(pick(results.reviews))})
+        frames = {d: {name: pick(getattr(results, name), d) for name in ("tasks", "reviews", "states")}
+                  for d in exp.datasets}  # fmt: skip
+        out.append(seed_context(frames, schedule, phase_names))
     return out
 
 

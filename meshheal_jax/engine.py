@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +67,10 @@ class EngineConfig:
     n_agents: int
     n_abilities: int
     n_types: int
-    n_pairs: int
     n_tasks: int
     slots: int = 1
     window_scores: int = 8
     window_shortfalls: int = 8
-    n_distractors: int = 4
     route_loop: int = 12  # bound on moves handled inside one absorb (move_limit + 4)
 
 
@@ -247,6 +244,11 @@ class Backend:
     pending: jax.Array  # a Contribute's kept output not yet folded into the draft
 
 
+def fresh_backend_slot() -> Backend:
+    """One slot's backend state at the start of a task."""
+    return at(initial_backend(1), 0)
+
+
 def initial_net(cfg: EngineConfig, world: World) -> Net:
     n, a, t, w = cfg.n_agents, cfg.n_abilities, cfg.n_types, cfg.window_scores
     state = jnp.zeros(n, jnp.int32)
@@ -274,11 +276,11 @@ def initial_slots(cfg: EngineConfig) -> Slots:
     )  # fmt: skip
 
 
-def initial_backend(cfg: EngineConfig) -> Backend:
-    zi = jnp.zeros(cfg.slots, jnp.int32)
-    zb = jnp.zeros(cfg.slots, bool)
+def initial_backend(n_slots: int) -> Backend:
+    zi = jnp.zeros(n_slots, jnp.int32)
+    zb = jnp.zeros(n_slots, bool)
     return Backend(pair_ok=zb, part_ok=zb, part_role=zi, part_tokens=zi, answer_ok=zb, answer_tokens=zi,
-                   draft_ok=jnp.ones(cfg.slots, bool), draft_tokens=zi, explanation_tokens=zi,
+                   draft_ok=jnp.ones(n_slots, bool), draft_tokens=zi, explanation_tokens=zi,
                    candidate_tokens=zi, result_ok=zb, result_tokens=zi, pending=zb)  # fmt: skip
 
 
@@ -332,10 +334,6 @@ def quantile_sorted(sorted_values, n, q):
     hi_i = jnp.ceil(pos).astype(jnp.int32)
     lo, hi = sorted_values[lo_i], sorted_values[hi_i]
     return lo + (hi - lo) * (pos - jnp.floor(pos))
-
-
-def set_at(array, slot, value):
-    return array.at[slot].set(value)
 
 
 ROUTE = 9  # internal phase: at an agent, deciding what to do (no model call yet)
@@ -479,7 +477,6 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     j = pick_from_mask(u_route[D.PROBE], candidates)
     held = world.holds[i] & missing
     handoff = ~isolated_relay & ~probing & ~held.any()
-    work = ~isolated_relay & ~probing & held.any()
 
     relay_slot = _next_hop(p, world, net, slot, missing, u_route, A_RELAY)
     probe_slot = dataclasses.replace(_move(p, slot, j, A_PROBE), probe_visit=jnp.bool_(True))
@@ -643,7 +640,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
                      truth=none3.at[0].set((inferred == true_pair).astype(jnp.int32)),
                      prompt=zeros3i.at[0].set(p.prompt[role_i, K_INFER] + p.question_tokens),
                      completion=zeros3i.at[0].set(_completion(p, role_i, K_INFER, u_infer[D.INFER_TOKENS])))  # fmt: skip
-    infer_b = dataclasses.replace(at(initial_backend(EngineConfig(1, 1, 1, 1, 1)), 0), pair_ok=inferred == true_pair)
+    infer_b = dataclasses.replace(fresh_backend_slot(), pair_ok=inferred == true_pair)
 
     # generate
     ug = u_calls[D.GENERATE]
@@ -866,7 +863,7 @@ class RoundRecords:
 
 
 def initial_carry(cfg: EngineConfig, world: World) -> Carry:
-    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg), jnp.int32(1))
+    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), jnp.int32(1))
 
 
 def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, RoundRecords]:
@@ -877,12 +874,11 @@ def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tupl
         draws_t = at(world.draws, jnp.minimum(next_t, cfg.n_tasks) - 1)
         started = dataclasses.replace(_start(cfg, p, world, net, at(slots, k), next_t, draws_t), pair=jnp.int32(-1))
         slots = put(slots, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), started, at(slots, k)))
-        fresh = at(initial_backend(dataclasses.replace(cfg, slots=1)), 0)
-        backend = put(backend, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), fresh, at(backend, k)))
+        backend = put(backend, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), fresh_backend_slot(),
+                                                         at(backend, k)))
         next_t = next_t + take
     # 2. emit -> backend
     requests = emit(cfg, p, world, slots)
-    backend_before = backend
     backend, responses = emulate(cfg, p, world, backend, requests)
     # 3. absorb, in task order
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
@@ -906,7 +902,6 @@ def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tupl
                                 backend.pair_ok.astype(jnp.int32)], axis=1)  # fmt: skip
     records = RoundRecords(requests, responses, reviews, review_truth, author_degraded, slots, finished_mask,
                            finished_truth)  # fmt: skip
-    del backend_before
     slots = dataclasses.replace(slots, phase=jnp.where(finished_mask, IDLE, slots.phase).astype(jnp.int32),
                                 t=jnp.where(finished_mask, 0, slots.t))  # fmt: skip
     return Carry(net, slots, backend, next_t), records
@@ -923,15 +918,16 @@ def _empty_review() -> ReviewRecord:
 TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace per shape
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int):
-    """n_rounds rounds of every stream (leading stream axis on world and carry; p shared)."""
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
+    """n_rounds rounds of every stream (leading stream axis on world and carry; on p too when
+    params_batched, as when datasets differ in p_part)."""
     TRACES["run_rounds"] += 1
 
     def one_stream(p, world, carry):
         return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
 
-    return jax.vmap(one_stream, in_axes=(None, 0, 0))(p, world, carry)
+    return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0))(p, world, carry)
 
 
 def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
@@ -966,40 +962,28 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
         raise MeshHealError(f"slots must be in 1..{max(first.network.n_agents // 6, 1)} (N/6) and <= tasks, got {slots}")
     cfg = EngineConfig(
         n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
-        n_pairs=len(profile.task_types), n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
-        window_shortfalls=protocol.window_shortfalls, n_distractors=first.pair.strong.n_distractors,
+        n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
+        window_shortfalls=protocol.window_shortfalls,
         route_loop=protocol.move_limit + 4,
     )  # fmt: skip
     for spec in specs:
         if spec.stream.n_tasks != n_tasks or spec.network.n_agents != cfg.n_agents or spec.pair.name != first.pair.name:
             raise MeshHealError("streams batched together need the same length, agents and pair")
-    params = make_params(protocol, first.pair, profile, cfg.n_agents)
-    if any(s.network.profile.dataset != profile.dataset for s in specs):
-        # p_part differs per dataset: batch the parameters too
+    batched = any(s.network.profile.dataset != profile.dataset for s in specs)  # p_part differs per dataset
+    if batched:
         params = stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs])
-        runner = _run_rounds_batched_params
     else:
-        runner = run_rounds
+        params = make_params(protocol, first.pair, profile, cfg.n_agents)
     worlds = stack([make_world(s.network, s.stream, s.schedule,
                                D.stream_draws(s.stream.seed, s.stream.dataset_id, n_tasks)) for s in specs])  # fmt: skip
     carry = jax.vmap(lambda w: initial_carry(cfg, w))(worlds)
     chunks = []
     while not done(cfg, carry).all():
-        carry, records = runner(cfg, params, worlds, carry, chunk)
+        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
         chunks.append(jax.tree_util.tree_map(np.asarray, records))
     records = jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, axis=1), *chunks)
     worlds_np = jax.tree_util.tree_map(np.asarray, worlds)
     return [_tables(cfg, spec, at(records, k), at(worlds_np, k)) for k, spec in enumerate(specs)]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _run_rounds_batched_params(cfg, p, world, carry, n_rounds):
-    """As run_rounds, with a leading stream axis on p too (datasets differ in p_part)."""
-    TRACES["run_rounds"] += 1
-    def one_stream(p, world, carry):
-        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
-
-    return jax.vmap(one_stream)(p, world, carry)
 
 
 def _tables(cfg: EngineConfig, spec: StreamSpec, rec: RoundRecords, world) -> dict:

@@ -171,9 +171,8 @@ def stream_metrics(
 ) -> dict:  # fmt: skip
     """Every per-stream number the summary aggregates over seeds."""
     degraded_rows = schedule.degraded_matrix()[1:].any(axis=1)  # (n_tasks,) any agent degraded
-    tasks = tasks.sort("t").with_columns(
-        pl.Series("any_degraded", degraded_rows[tasks.sort("t")["t"].to_numpy() - 1])
-    )
+    tasks = tasks.sort("t")
+    tasks = tasks.with_columns(pl.Series("any_degraded", degraded_rows[tasks["t"].to_numpy() - 1]))
     healthy, degraded = tasks.filter(~pl.col("any_degraded")), tasks.filter(pl.col("any_degraded"))
 
     def mean(df: pl.DataFrame, col: str) -> float | None:

@@ -39,6 +39,17 @@ class ModelParams:
     round2: dict[tuple[str, bool], tuple[float, ...]]
     completion_tokens: dict[str, tuple[int, int]]  # kind -> [min, max]
     prompt_tokens: dict[str, int]  # kind -> template tokens
+    # cumulative thresholds, computed once here (spec/architecture.md "Randomness")
+    review_cumulative: dict = dataclasses.field(init=False, repr=False, compare=False)
+    round2_cumulative: dict = dataclasses.field(init=False, repr=False, compare=False)
+    distractor_cumulative: tuple = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        rest = (1.0 - self.p_popular_wrong) / max(self.n_distractors - 1, 1)
+        object.__setattr__(self, "review_cumulative", {k: self.thresholds(v) for k, v in self.review.items()})
+        object.__setattr__(self, "round2_cumulative", {k: self.thresholds(v) for k, v in self.round2.items()})
+        object.__setattr__(self, "distractor_cumulative",
+                           self.thresholds((self.p_popular_wrong,) + (rest,) * (self.n_distractors - 1)))  # fmt: skip
 
     def __getattr__(self, item):  # p_infer, p_fix, ... read as attributes
         scalars = self.__dict__.get("scalars", {})
@@ -72,14 +83,13 @@ class ModelParams:
 
     def distractor_thresholds(self) -> tuple[float, ...]:
         """Wrong answers: distractor 1 with p_popular_wrong, the others share the rest."""
-        rest = (1.0 - self.p_popular_wrong) / max(self.n_distractors - 1, 1)
-        return self.thresholds((self.p_popular_wrong,) + (rest,) * (self.n_distractors - 1))
+        return self.distractor_cumulative
 
     def review_thresholds(self, role: str, correct: bool) -> tuple[float, ...]:
-        return self.thresholds(self.review[(role, correct)])
+        return self.review_cumulative[(role, correct)]
 
     def round2_thresholds(self, role: str, correct: bool) -> tuple[float, ...]:
-        return self.thresholds(self.round2[(role, correct)])
+        return self.round2_cumulative[(role, correct)]
 
 
 def _probability(value, where: str) -> float:

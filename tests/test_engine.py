@@ -95,7 +95,7 @@ def test_compiles_once_per_shape():
 
 def test_jit_equals_no_jit_on_a_short_stretch():
     spec = main_spec("math", 0, 42)
-    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_pairs=7, n_tasks=42)
+    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_tasks=42)
     params = engine.make_params(PROTOCOL, PAIR, spec.network.profile, 6)
     world = engine.make_world(spec.network, spec.stream, spec.schedule,
                               engine.D.stream_draws(0, spec.stream.dataset_id, 42))  # fmt: skip
@@ -123,7 +123,7 @@ def test_scores_and_z_are_finite():
 def test_controller_never_reads_health_or_truth():
     """emit and absorb run with the backend-only fields removed from the world."""
     spec = main_spec("math", 0, 42)
-    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_pairs=7, n_tasks=42)
+    cfg = engine.EngineConfig(n_agents=6, n_abilities=7, n_types=7, n_tasks=42)
     params = engine.make_params(PROTOCOL, PAIR, spec.network.profile, 6)
     world = engine.make_world(spec.network, spec.stream, spec.schedule,
                               engine.D.stream_draws(0, spec.stream.dataset_id, 42))  # fmt: skip
