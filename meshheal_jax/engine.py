@@ -19,10 +19,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import polars as pl
 
 from meshheal_jax import draws as D
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.metrics import SCHEMAS
 from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network
@@ -108,16 +110,18 @@ class Params:
 
 @pytree
 class World:
-    """Per-stream constants. `degraded` is read only by the backend."""
+    """Per-stream constants. `degraded_from/until` are read only by the backend."""
 
     holds: jax.Array  # (N, A) bool
-    adjacency: jax.Array  # (N, N) bool
+    nbr: jax.Array  # (N, K) int32 neighbours in increasing index, -1 padding
     task_type: jax.Array  # (n_tasks,) int
     true_pair: jax.Array  # (T,) int: documented pair of each type
     pair_abilities: jax.Array  # (P, A) bool, P padded to the number of task types
     pair_valid: jax.Array  # (P,) bool: a documented pair (not padding)
-    degraded: jax.Array  # (n_tasks + 1, N) bool  [backend only]
-    draws: D.TaskDraws  # leading (n_tasks,)
+    degraded_from: jax.Array  # (N,) int32 first degraded task (0 = never)  [backend only]
+    degraded_until: jax.Array  # (N,) int32 first task healthy again  [backend only]
+    seed: jax.Array  # () int32: per-task draws come from (seed, dataset_id, t)
+    dataset_id: jax.Array  # () int32
 
 
 def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) -> Params:
@@ -154,20 +158,34 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
     )  # fmt: skip
 
 
-def make_world(network: Network, stream: Stream, schedule: HealthSchedule, draws: D.TaskDraws) -> World:
+def make_world(network: Network, stream: Stream, schedule: HealthSchedule, k_max: int | None = None) -> World:
+    """k_max pads the neighbour table (streams batched together need one width)."""
     profile = network.profile
     pairs = profile.pairs
     n_types = len(profile.task_types)
     pair_abilities = np.zeros((n_types, len(profile.abilities)), dtype=bool)
     for k, pair in enumerate(pairs):
         pair_abilities[k, list(pair)] = True
+    table = network.neighbour_table
+    if k_max is not None:
+        table = np.pad(table, ((0, 0), (0, k_max - table.shape[1])), constant_values=-1)
+    start = np.zeros(network.n_agents, np.int32)
+    until = np.zeros(network.n_agents, np.int32)
+    for agent, first, end in schedule.intervals:
+        start[agent], until[agent] = first, end
     return World(
-        holds=jnp.asarray(network.holds), adjacency=jnp.asarray(network.adjacency),
+        holds=jnp.asarray(network.holds), nbr=jnp.asarray(table, dtype=jnp.int32),
         task_type=jnp.asarray(stream.task_type, dtype=jnp.int32),
         true_pair=jnp.asarray([profile.pair_index(ty) for ty in range(len(profile.task_types))], dtype=jnp.int32),
-        pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(pairs), degraded=jnp.asarray(schedule.degraded_matrix()),
-        draws=jax.tree_util.tree_map(jnp.asarray, draws),
+        pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(pairs),
+        degraded_from=jnp.asarray(start), degraded_until=jnp.asarray(until),
+        seed=jnp.int32(stream.seed), dataset_id=jnp.int32(stream.dataset_id),
     )  # fmt: skip
+
+
+def is_degraded(world: World, agent, t):
+    """Backend only: the health schedule (one interval per agent)."""
+    return (world.degraded_from[agent] <= t) & (t < world.degraded_until[agent])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +272,7 @@ def initial_net(cfg: EngineConfig, world: World) -> Net:
     state = jnp.zeros(n, jnp.int32)
     return Net(
         state=state, consecutive=jnp.zeros(n, jnp.int32), probe_timer=jnp.zeros(n, jnp.int32),
-        distance=distance_tables(world.holds, world.adjacency, state),
+        distance=distance_tables(world.holds, world.nbr, state),
         scores=jnp.zeros((n, t, a, w)), score_count=jnp.zeros((n, t, a), jnp.int32),
         shortfalls=jnp.zeros((n, t, a, cfg.window_shortfalls)), shortfall_count=jnp.zeros((n, t, a), jnp.int32),
     )  # fmt: skip
@@ -306,18 +324,46 @@ def categorical(u, thresholds):
     return jnp.minimum(jnp.sum(u >= thresholds), thresholds.shape[-1] - 1).astype(jnp.int32)
 
 
-def distance_tables(holds, adjacency, state):
-    """(N, A + 1) hop distances to the nearest eligible provider (Bellman-Ford to convergence)."""
+def distance_tables(holds, nbr, state):
+    """(N, A + 1) hop distances to the nearest eligible provider (Bellman-Ford to convergence
+    over the padded neighbour table; column A = nearest non-isolated agent)."""
     active = state != ISOLATED
     source = jnp.concatenate([holds & active[:, None], active[:, None]], axis=1)
     dist0 = jnp.where(source, 0, INF).astype(jnp.int32)
-    n = holds.shape[0]
+    valid = (nbr >= 0)[:, :, None]
+    idx = jnp.maximum(nbr, 0)
 
-    def relax(_, dist):
-        through = jnp.where(adjacency[:, :, None], dist[None, :, :] + 1, INF)
-        return jnp.minimum(dist, jnp.minimum(through.min(axis=1), INF))
+    def relax(carry):
+        dist, _ = carry
+        through = jnp.where(valid, dist[idx] + 1, INF).min(axis=1)  # (N, A + 1)
+        new = jnp.minimum(dist, jnp.minimum(through, INF))
+        return new, jnp.any(new != dist)
 
-    return jax.lax.fori_loop(0, n, relax, dist0)
+    return jax.lax.while_loop(lambda c: c[1], relax, (dist0, jnp.bool_(True)))[0]
+
+
+STREAMS = "streams"  # the vmapped stream axis
+
+
+def across_streams(flag):
+    """True when `flag` holds in any stream of the batch: a predicate that stays unbatched, so a
+    lax.cond on it skips its branch for the whole batch (a batched predicate would run both)."""
+    try:
+        return jax.lax.psum(flag.astype(jnp.int32), STREAMS) > 0
+    except NameError:  # not under the stream vmap
+        return flag
+
+
+def neighbours_of(world: World, i):
+    """(K,) agent ids of i's neighbours (-1 padding), (K,) valid mask, (K,) ids safe to gather."""
+    nb = world.nbr[i]
+    return nb, nb >= 0, jnp.maximum(nb, 0)
+
+
+def pick_neighbour(u, nb, mask):
+    """pick_from_mask over a neighbour row; returns the agent id (-1 if none)."""
+    k = pick_from_mask(u, mask)
+    return jnp.where(k >= 0, nb[jnp.maximum(k, 0)], -1).astype(jnp.int32)
 
 
 def window_mean(data, count):
@@ -387,33 +433,39 @@ def next_state(p: Params, state, consecutive, z):
     return new.astype(jnp.int32), consecutive.astype(jnp.int32), reason.astype(jnp.int32)
 
 
-def observe(p: Params, world: World, net: Net, i, task_type, s, q, t) -> tuple[Net, Observation]:
-    """Record author i's final score q for (task_type, s) at task t."""
-    normal = net.state == NORMAL
+def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
+    """Record author i's final score q for (task_type, s) at task t when `evidence` (else the
+    network is returned unchanged). Touches only i's cells and i's neighbours' rows."""
+    nb, valid, nbc = neighbours_of(world, i)
+    normal = valid & (net.state[nbc] == NORMAL)
     w = net.scores.shape[-1]
-    peers = world.adjacency[i] & normal & (net.score_count[:, task_type, s] > 0)
+    peer_counts = net.score_count[nbc, task_type, s]  # (K,)
+    peers = normal & (peer_counts > 0)
     count = net.score_count[i, task_type, s]
-    scores = net.scores.at[i, task_type, s, count % w].set(q)
-    score_count = net.score_count.at[i, task_type, s].add(1)
+    slot = count % w
+    scores = net.scores.at[i, task_type, s, slot].set(jnp.where(evidence, q, net.scores[i, task_type, s, slot]))
+    score_count = net.score_count.at[i, task_type, s].add(evidence.astype(jnp.int32))
     n_peers = peers.sum()
-    peer_means = window_mean(net.scores[:, task_type, s], net.score_count[:, task_type, s])
+    peer_means = window_mean(net.scores[nbc, task_type, s], peer_counts)
     reference = jnp.sum(jnp.where(peers, peer_means, 0.0)) / jnp.maximum(n_peers, 1)
-    has_peers = n_peers > 0
+    record = evidence & (n_peers > 0)
     x = reference - q
     ws = net.shortfalls.shape[-1]
     n_x = net.shortfall_count[i, task_type, s]
-    shortfalls = jnp.where(has_peers, net.shortfalls.at[i, task_type, s, n_x % ws].set(x), net.shortfalls)
-    shortfall_count = jnp.where(has_peers, net.shortfall_count.at[i, task_type, s].add(1), net.shortfall_count)
-    n_x = shortfall_count[i, task_type, s]
+    cell = n_x % ws
+    shortfalls = net.shortfalls.at[i, task_type, s, cell].set(jnp.where(record, x, net.shortfalls[i, task_type, s, cell]))
+    shortfall_count = net.shortfall_count.at[i, task_type, s].add(record.astype(jnp.int32))
+    n_x = n_x + record
     own = window_mean(shortfalls[i, task_type, s], n_x)
-    pool_mask = (world.adjacency[i] & normal)[:, None] & (shortfall_count[:, task_type, :] >= p.min_obs)
-    pool_values = window_mean(shortfalls[:, task_type, :], shortfall_count[:, task_type, :])
+    pool_counts = net.shortfall_count[nbc, task_type, :]  # (K, A); i is never its own neighbour
+    pool_mask = normal[:, None] & (pool_counts >= p.min_obs)
+    pool_values = window_mean(net.shortfalls[nbc, task_type, :], pool_counts)
     flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
     n_pool = pool_mask.sum()
     ordered = jnp.sort(flat)
     m = quantile_sorted(ordered, n_pool, 0.5)
     p25 = quantile_sorted(ordered, n_pool, 0.25)
-    defined = has_peers & (t > p.warmup) & (n_x >= p.min_obs) & (n_pool > 0)
+    defined = record & (t > p.warmup) & (n_x >= p.min_obs) & (n_pool > 0)
     z = jnp.where(defined, (own - jnp.where(defined, m, 0.0)) / jnp.maximum(jnp.where(defined, m - p25, 1.0), p.z_floor), 0.0)
     before = net.state[i]
     new, consecutive, reason = next_state(p, before, net.consecutive[i], z)
@@ -422,10 +474,11 @@ def observe(p: Params, world: World, net: Net, i, task_type, s, q, t) -> tuple[N
     consecutive = jnp.where(defined, consecutive, net.consecutive[i])
     entered = (new == ISOLATED) & (before != ISOLATED)
     state = net.state.at[i].set(new)
-    distance = jax.lax.cond(new != before, lambda: distance_tables(world.holds, world.adjacency, state),
+    moved = (new == ISOLATED) != (before == ISOLATED)  # only isolation changes the distance tables
+    distance = jax.lax.cond(across_streams(moved), lambda: distance_tables(world.holds, world.nbr, state),
                             lambda: net.distance)  # fmt: skip
     net = Net(state=state, consecutive=net.consecutive.at[i].set(consecutive),
-              probe_timer=jnp.where(entered, net.probe_timer.at[i].set(t), net.probe_timer),
+              probe_timer=net.probe_timer.at[i].set(jnp.where(entered, t, net.probe_timer[i])),
               distance=distance, scores=scores, score_count=score_count, shortfalls=shortfalls,
               shortfall_count=shortfall_count)  # fmt: skip
     return net, Observation(z=z, z_defined=defined, before=before, after=new, reason=reason)
@@ -456,8 +509,8 @@ def _next_hop(p: Params, world: World, net: Net, slot: Slots, missing, u_route, 
     i = slot.agent
     s = pick_from_mask(u_route[D.HOP_ABILITY], missing)
     d = net.distance[i, s]
-    hops = world.adjacency[i] & (net.distance[:, s] == d - 1)
-    j = pick_from_mask(u_route[D.HOP_TIE], hops)
+    nb, valid, nbc = neighbours_of(world, i)
+    j = pick_neighbour(u_route[D.HOP_TIE], nb, valid & (net.distance[nbc, s] == d - 1))
     unreachable = d >= INF
     return jax.tree_util.tree_map(lambda a, b: jnp.where(unreachable, a, b),
                                   _finish(slot, False, 2), _move(p, slot, j, action))  # fmt: skip
@@ -471,10 +524,11 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     missing = required & ~slot.covered
     isolated_relay = (net.state[i] == ISOLATED) & ~slot.probe_visit
     eligible = (net.state == ISOLATED) & (t - net.probe_timer >= p.probe_interval)
-    candidates = world.adjacency[i] & eligible & jnp.any(world.holds & missing[None, :], axis=1)
+    nb, valid, nbc = neighbours_of(world, i)
+    candidates = valid & eligible[nbc] & jnp.any(world.holds[nbc] & missing[None, :], axis=1)
     within = (slot.moves + 1 <= p.move_limit) & (slot.since + 1 <= p.route_limit)
     probing = ~isolated_relay & ~slot.probe_visit & candidates.any() & within
-    j = pick_from_mask(u_route[D.PROBE], candidates)
+    j = pick_neighbour(u_route[D.PROBE], nb, candidates)
     held = world.holds[i] & missing
     handoff = ~isolated_relay & ~probing & ~held.any()
 
@@ -489,23 +543,26 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
         return jnp.where(isolated_relay, a, jnp.where(probing, b, jnp.where(handoff, c, d)))
 
     new_slot = jax.tree_util.tree_map(choose, relay_slot, probe_slot, handoff_slot, work_slot)
-    net = dataclasses.replace(net, probe_timer=jnp.where(probing, net.probe_timer.at[j].set(t), net.probe_timer))
-    return net, new_slot
+    jj = jnp.maximum(j, 0)
+    probe_timer = net.probe_timer.at[jj].set(jnp.where(probing, t, net.probe_timer[jj]))
+    return probe_timer, new_slot
 
 
 def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
+    """Route until the slot needs a model call or finishes (only probe timers change in net)."""
+
     def body(carry):
-        n, net, slot = carry
-        stepped = _route_step(p, world, net, slot, t, draws_t)
+        n, probe_timer, slot = carry
+        stepped = _route_step(p, world, dataclasses.replace(net, probe_timer=probe_timer), slot, t, draws_t)
         active = slot.phase == ROUTE
-        return (n + 1, *jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, (net, slot)))
+        return (n + 1, *jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, (probe_timer, slot)))
 
     def more(carry):
         n, _, slot = carry
         return (slot.phase == ROUTE) & (n < cfg.route_loop)
 
-    _, net, slot = jax.lax.while_loop(more, body, (jnp.int32(0), net, slot))
-    return net, slot
+    _, probe_timer, slot = jax.lax.while_loop(more, body, (jnp.int32(0), net.probe_timer, slot))
+    return dataclasses.replace(net, probe_timer=probe_timer), slot
 
 
 def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> Slots:
@@ -522,8 +579,9 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         i = slot.agent
         relay = (slot.phase == INFER) & (net.state[i] == ISOLATED)
         d = net.distance[i, column]
-        hops = world.adjacency[i] & (net.distance[:, column] == d - 1)
-        j = pick_from_mask(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE], hops)
+        nb, valid, nbc = neighbours_of(world, i)
+        j = pick_neighbour(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE], nb,
+                           valid & (net.distance[nbc, column] == d - 1))  # fmt: skip
         moved = jax.tree_util.tree_map(lambda a, b: jnp.where(d >= INF, a, b),
                                        _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))  # fmt: skip
         return n + 1, jax.tree_util.tree_map(lambda a, b: jnp.where(relay, a, b), moved, slot)
@@ -599,7 +657,7 @@ def emit(cfg: EngineConfig, p: Params, world: World, slots: Slots) -> Requests:
 def _role(world: World, agent, ability, t):
     """Model-backed rule (backend only): STRONG iff healthy and (no ability or ability held)."""
     held = jnp.where(ability < 0, True, world.holds[agent, jnp.maximum(ability, 0)])
-    return jnp.where(world.degraded[t, agent] | ~held, WEAK, STRONG).astype(jnp.int32)
+    return jnp.where(is_degraded(world, agent, t) | ~held, WEAK, STRONG).astype(jnp.int32)
 
 
 def _completion(p: Params, role, kind, u):
@@ -732,11 +790,10 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     )  # fmt: skip
 
 
-def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, requests: Requests):
-    """The emulated backend for all slots of one stream."""
-    idx = jnp.maximum(requests.t - 1, 0)
-    u_calls = world.draws.calls[idx, requests.visit]  # (S, 11, 4)
-    u_infer = world.draws.infer[idx]  # (S, 3)
+def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, requests: Requests, draws: D.TaskDraws):
+    """The emulated backend for all slots of one stream (draws: the slots' tasks, leading (S,))."""
+    u_calls = draws.calls[jnp.arange(cfg.slots), requests.visit]  # (S, 11, 4)
+    u_infer = draws.infer  # (S, 3)
     return jax.vmap(emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(p, world, backend, requests, u_calls, u_infer)
 
 
@@ -764,7 +821,9 @@ class ReviewRecord:
 
 
 def _reviewers(world: World, net: Net, author, ability):
-    return world.adjacency[author] & (net.state == NORMAL) & world.holds[:, ability]
+    """(K,) mask over the author's neighbour row: normal holders of the ability."""
+    _, valid, nbc = neighbours_of(world, author)
+    return valid & (net.state[nbc] == NORMAL) & world.holds[nbc, ability]
 
 
 def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
@@ -776,6 +835,7 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
                                prompt_tokens=slot.prompt_tokens + resp.prompt_tokens.sum(),
                                completion_tokens=slot.completion_tokens + resp.completion_tokens.sum())  # fmt: skip
     author, s = slot.agent, slot.ability
+    nb = world.nbr[author]
     reviewers = _reviewers(world, net, author, s)
 
     # INFER -> routing
@@ -784,7 +844,7 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
     no_reviewer = ~reviewers.any()
     after_gen = dataclasses.replace(
         slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id),
-        reviewer=pick_from_mask(u_route[D.REVIEWER], reviewers), phase=jnp.int32(REVIEW),
+        reviewer=pick_neighbour(u_route[D.REVIEWER], nb, reviewers), phase=jnp.int32(REVIEW),
         unreviewed=slot.unreviewed + no_reviewer)  # fmt: skip
     # REVIEW -> committee or done
     x = resp.score
@@ -794,8 +854,10 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
     committee = (le_tol(q0, p.tau_to, p.tol) | gt_tol(s_u, p.sigma_com, p.tol)
                  | (net.state[author] == WATCHED) | slot.probe_visit)  # fmt: skip
     n_rev = reviewers.sum()
-    a = pick_from_mask(u_route[D.COMMITTEE_A], reviewers)
-    b = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], reviewers.at[a].set(False)), a)
+    ka = pick_from_mask(u_route[D.COMMITTEE_A], reviewers)
+    kb = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], reviewers.at[ka].set(False)), ka)
+    a = jnp.where(ka >= 0, nb[jnp.maximum(ka, 0)], -1)
+    b = jnp.where(kb >= 0, nb[jnp.maximum(kb, 0)], -1)
     after_review = dataclasses.replace(slot, samples=x, q0=q0, s_u=s_u, committee=committee, q=q0,
                                        member_a=jnp.where(committee, a, -1), member_b=jnp.where(committee, b, -1),
                                        phase=jnp.where(committee, ROUND1, phase).astype(jnp.int32))  # fmt: skip
@@ -814,8 +876,7 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
 
     evidence = ((phase == REVIEW) & ~committee) | ((phase == ROUND2) & ~low) | (phase == SYNTH)
     accepted = evidence | ((phase == GENERATE) & no_reviewer)
-    observed_net, obs = observe(p, world, net, author, ty, s, new.q, t)
-    net = jax.tree_util.tree_map(lambda o, n: jnp.where(evidence, o, n), observed_net, net)
+    net, obs = observe(p, world, net, author, ty, s, new.q, t, evidence)
     record = ReviewRecord(
         valid=evidence, t=t, visit=slot.moves, finalize=slot.finalize, author=author, ability=s,
         probe=slot.probe_visit, reviewer=new.reviewer, samples=new.samples, q0=new.q0, s_u=new.s_u,
@@ -847,6 +908,7 @@ class Carry:
     net: Net
     slots: Slots
     backend: Backend
+    draws: D.TaskDraws  # (S, ...) the draws of each slot's task
     next_t: jax.Array  # next task to enter
 
 
@@ -863,40 +925,53 @@ class RoundRecords:
 
 
 def initial_carry(cfg: EngineConfig, world: World) -> Carry:
-    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), jnp.int32(1))
+    draws = jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(jnp.ones(cfg.slots, jnp.int32))
+    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), draws, jnp.int32(1))
+
+
+def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Carry:
+    """Idle slots take the next tasks, in slot order (continuous batching)."""
+
+    def take(k, carry):
+        slots, backend, draws, next_t = carry.slots, carry.backend, carry.draws, carry.next_t
+        wants = (slots.phase[k] == IDLE) & (next_t <= cfg.n_tasks)
+
+        def start():
+            t = jnp.minimum(next_t, cfg.n_tasks)
+            draws_t = D.task_draws(world.seed, world.dataset_id, t)
+            started = dataclasses.replace(_start(cfg, p, world, carry.net, at(slots, k), t, draws_t), pair=jnp.int32(-1))
+            pick = functools.partial(jax.tree_util.tree_map, lambda a, b: jnp.where(wants, a, b))
+            return (put(slots, k, pick(started, at(slots, k))), put(backend, k, pick(fresh_backend_slot(), at(backend, k))),
+                    put(draws, k, pick(draws_t, at(draws, k))))  # fmt: skip
+
+        slots, backend, draws = jax.lax.cond(across_streams(wants), start, lambda: (slots, backend, draws))
+        return dataclasses.replace(carry, slots=slots, backend=backend, draws=draws, next_t=next_t + wants)
+
+    return jax.lax.fori_loop(0, cfg.slots, take, carry)
 
 
 def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, RoundRecords]:
-    net, slots, backend, next_t = carry.net, carry.slots, carry.backend, carry.next_t
-    # 1. idle slots take the next tasks, in slot order (continuous batching)
-    for k in range(cfg.slots):
-        take = (slots.phase[k] == IDLE) & (next_t <= cfg.n_tasks)
-        draws_t = at(world.draws, jnp.minimum(next_t, cfg.n_tasks) - 1)
-        started = dataclasses.replace(_start(cfg, p, world, net, at(slots, k), next_t, draws_t), pair=jnp.int32(-1))
-        slots = put(slots, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), started, at(slots, k)))
-        backend = put(backend, k, jax.tree_util.tree_map(lambda a, b: jnp.where(take, a, b), fresh_backend_slot(),
-                                                         at(backend, k)))
-        next_t = next_t + take
+    # 1. idle slots take the next tasks
+    carry = _take_tasks(cfg, p, world, carry)
+    net, slots, backend, draws = carry.net, carry.slots, carry.backend, carry.draws
     # 2. emit -> backend
     requests = emit(cfg, p, world, slots)
-    backend, responses = emulate(cfg, p, world, backend, requests)
+    backend, responses = emulate(cfg, p, world, backend, requests, draws)
     # 3. absorb, in task order
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
 
     def absorb_one(n, state):
         net, slots, reviews = state
         k = order[n]
-        draws_t = at(world.draws, jnp.maximum(slots.t[k], 1) - 1)
-        net, one, record = absorb_slot(cfg, p, world, net, at(slots, k), at(responses, k), draws_t)
+        net, one, record = absorb_slot(cfg, p, world, net, at(slots, k), at(responses, k), at(draws, k))
         return net, put(slots, k, one), put(reviews, k, record)
 
     empty_reviews = jax.vmap(lambda _: _empty_review())(jnp.arange(cfg.slots))
     net, slots, reviews = jax.lax.fori_loop(0, cfg.slots, absorb_one, (net, slots, empty_reviews))
-    idx = jnp.maximum(slots.t, 1)
     review_truth = jnp.stack([backend.part_ok.astype(jnp.int32), backend.part_role,
                               jnp.where(reviews.finalize, backend.answer_ok, backend.part_ok).astype(jnp.int32),
                               backend.result_ok.astype(jnp.int32)], axis=1)  # fmt: skip
-    author_degraded = world.degraded[idx, jnp.maximum(reviews.author, 0)]
+    author_degraded = is_degraded(world, jnp.maximum(reviews.author, 0), jnp.maximum(slots.t, 1))
     finished_mask = slots.phase == FINISHED
     finished_truth = jnp.stack([(slots.answered & backend.result_ok).astype(jnp.int32),
                                 backend.pair_ok.astype(jnp.int32)], axis=1)  # fmt: skip
@@ -904,7 +979,7 @@ def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tupl
                            finished_truth)  # fmt: skip
     slots = dataclasses.replace(slots, phase=jnp.where(finished_mask, IDLE, slots.phase).astype(jnp.int32),
                                 t=jnp.where(finished_mask, 0, slots.t))  # fmt: skip
-    return Carry(net, slots, backend, next_t), records
+    return Carry(net, slots, backend, draws, carry.next_t), records
 
 
 def _empty_review() -> ReviewRecord:
@@ -921,13 +996,13 @@ TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace p
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
     """n_rounds rounds of every stream (leading stream axis on world and carry; on p too when
-    params_batched, as when datasets differ in p_part)."""
+    params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
     TRACES["run_rounds"] += 1
 
     def one_stream(p, world, carry):
         return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
 
-    return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0))(p, world, carry)
+    return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
 
 
 def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
@@ -953,104 +1028,153 @@ class StreamSpec:
     labels: dict
 
 
-def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int = 512) -> list[dict]:
-    """Run streams of one shape as one vmapped program; per stream the four record tables (dict of columns)."""
+TABLES = ("tasks", "reviews", "states", "calls")
+
+
+def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int) -> EngineConfig:
+    """Static shapes for a batch of streams; rejects what cannot run, naming the fix."""
     first = specs[0]
     profile = first.network.profile
     n_tasks = first.stream.n_tasks
-    if slots < 1 or slots > max(first.network.n_agents // 6, 1) or slots > n_tasks:
-        raise MeshHealError(f"slots must be in 1..{max(first.network.n_agents // 6, 1)} (N/6) and <= tasks, got {slots}")
-    cfg = EngineConfig(
+    cap = max(first.network.n_agents // 6, 1)
+    if not 1 <= slots <= min(cap, n_tasks):
+        raise MeshHealError(f"slots must be in 1..{min(cap, n_tasks)} (at most N/6 = {cap} and at most the "
+                            f"{n_tasks} tasks), got {slots}")  # fmt: skip
+    for spec in specs:
+        if spec.stream.n_tasks != n_tasks or spec.network.n_agents != first.network.n_agents or spec.pair.name != first.pair.name:
+            raise MeshHealError("streams batched together need the same length, agents and pair")
+    return EngineConfig(
         n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
         n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
-        window_shortfalls=protocol.window_shortfalls,
-        route_loop=protocol.move_limit + 4,
+        window_shortfalls=protocol.window_shortfalls, route_loop=protocol.move_limit + 4,
     )  # fmt: skip
-    for spec in specs:
-        if spec.stream.n_tasks != n_tasks or spec.network.n_agents != cfg.n_agents or spec.pair.name != first.pair.name:
-            raise MeshHealError("streams batched together need the same length, agents and pair")
-    batched = any(s.network.profile.dataset != profile.dataset for s in specs)  # p_part differs per dataset
+
+
+def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int = 512,
+                tables: tuple[str, ...] = TABLES, on_chunk=None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+    """Run streams of one shape as one vmapped program, `chunk` rounds per compiled call.
+
+    Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
+    `on_chunk(k, frames_per_stream)`, when given, receives each chunk's records as they are made
+    (for appending to a run folder); the returned frames are then empty."""
+    cfg = engine_config(specs, protocol, slots)
+    first = specs[0]
+    batched = any(s.network.profile.dataset != first.network.profile.dataset for s in specs)  # p_part differs
     if batched:
         params = stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs])
     else:
-        params = make_params(protocol, first.pair, profile, cfg.n_agents)
-    worlds = stack([make_world(s.network, s.stream, s.schedule,
-                               D.stream_draws(s.stream.seed, s.stream.dataset_id, n_tasks)) for s in specs])  # fmt: skip
-    carry = jax.vmap(lambda w: initial_carry(cfg, w))(worlds)
-    chunks = []
+        params = make_params(protocol, first.pair, first.network.profile, cfg.n_agents)
+    k_max = max(s.network.neighbour_table.shape[1] for s in specs)
+    worlds = stack([make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
+    carry = jax.jit(jax.vmap(lambda w: initial_carry(cfg, w)), static_argnums=())(worlds)
+    kept: list[list[dict]] = [[] for _ in specs]
+    k = 0
     while not done(cfg, carry).all():
         carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
-        chunks.append(jax.tree_util.tree_map(np.asarray, records))
-    records = jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, axis=1), *chunks)
-    worlds_np = jax.tree_util.tree_map(np.asarray, worlds)
-    return [_tables(cfg, spec, at(records, k), at(worlds_np, k)) for k, spec in enumerate(specs)]
+        records = jax.tree_util.tree_map(np.asarray, records)
+        frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
+        if on_chunk is not None:
+            on_chunk(k, frames)
+        else:
+            for s in range(len(specs)):
+                kept[s].append(frames[s])
+        k += 1
+    return [{name: pl.concat([f[name] for f in parts]) if parts else _empty(name) for name in tables}
+            for parts in kept]  # fmt: skip
 
 
-def _tables(cfg: EngineConfig, spec: StreamSpec, rec: RoundRecords, world) -> dict:
-    """One stream's (rounds, S, ...) records -> rows like reference.StreamRecords (lists of dicts)."""
-    labels = spec.labels
+def _empty(table: str) -> pl.DataFrame:
+    return pl.DataFrame(schema=SCHEMAS[table])
+
+
+def _labelled(spec: StreamSpec, table: str, columns: dict) -> pl.DataFrame:
+    """Columns (numpy arrays or polars series) + the stream's labels -> a frame with the table's schema."""
+    schema = SCHEMAS[table]
+    frame = pl.DataFrame({k: v for k, v in columns.items()}).with_columns(
+        pl.lit(v).alias(k) for k, v in spec.labels.items())  # fmt: skip
+    return frame.select(pl.col(k).cast(dtype) for k, dtype in schema.items())
+
+
+def _names(names, index) -> pl.Series:
+    """names[index] as a string column (a gather, not a Python loop)."""
+    return pl.Series(list(names), dtype=pl.String).gather(np.asarray(index, dtype=np.int64))
+
+
+def _where(mask, values):
+    """A nullable column: values where mask, null elsewhere."""
+    return pl.Series(values).set(pl.Series(~np.asarray(mask, dtype=bool)), None) if len(values) else pl.Series(values)
+
+
+def record_frames(spec: StreamSpec, rec: RoundRecords, tables: tuple[str, ...] = TABLES) -> dict[str, pl.DataFrame]:
+    """One stream's (rounds, S, ...) records -> the record tables, vectorised (no per-row Python)."""
+    out = {}
     models = (spec.pair.strong.model, spec.pair.weak.model)
-    rq, rs = rec.requests, rec.responses
-    calls = []
-    kinds = CALL_KINDS
-    mask = rq.mask
-    for r_, k_, c_ in zip(*np.nonzero(mask)):
-        kind = int(rq.kind[r_, k_, c_])
-        finalize = bool(rq.finalize[r_, k_])
+    if "calls" in tables:
+        rq, rs = rec.requests, rec.responses
+        r_, k_, c_ = np.nonzero(rq.mask)
+        kind = rq.kind[r_, k_, c_]
         infer = kind == K_INFER
-        truth = int(rs.truth[r_, k_, c_])
-        calls.append(dict(
-            labels, t=int(rq.t[r_, k_]), visit=int(rq.visit[r_, k_]), kind=kinds[kind], agent=int(rq.agent[r_, k_, c_]),
-            author=-1 if infer else int(rq.author[r_, k_]), ability=-1 if infer else int(rq.ability[r_, k_]),
-            model=models[int(rs.role[r_, k_, c_])], prompt_tokens=int(rs.prompt_tokens[r_, k_, c_]),
-            completion_tokens=int(rs.completion_tokens[r_, k_, c_]), latency_s=0.0, parse_status="ok",
-            score=float(rs.score[r_, k_, c_]) if kind in (K_REVIEW, K_COMMITTEE1, K_COMMITTEE2) else None,
-            answer_id=int(rs.answer_id[r_, k_]) if finalize and kind in (K_GENERATE, K_SYNTHESIS) else None,
-            correct=None if truth < 0 else bool(truth),
+        truth = rs.truth[r_, k_, c_]
+        scored = np.isin(kind, (K_REVIEW, K_COMMITTEE1, K_COMMITTEE2))
+        answers = rq.finalize[r_, k_] & np.isin(kind, (K_GENERATE, K_SYNTHESIS))
+        out["calls"] = _labelled(spec, "calls", dict(
+            t=rq.t[r_, k_], visit=rq.visit[r_, k_], kind=_names(CALL_KINDS, kind), agent=rq.agent[r_, k_, c_],
+            author=np.where(infer, -1, rq.author[r_, k_]), ability=np.where(infer, -1, rq.ability[r_, k_]),
+            model=_names(models, rs.role[r_, k_, c_]), prompt_tokens=rs.prompt_tokens[r_, k_, c_],
+            completion_tokens=rs.completion_tokens[r_, k_, c_], latency_s=np.zeros(len(kind)),
+            parse_status=np.full(len(kind), "ok"), score=_where(scored, rs.score[r_, k_, c_]),
+            answer_id=_where(answers, rs.answer_id[r_, k_]), correct=_where(truth >= 0, truth == 1),
         ))  # fmt: skip
-    reviews, states = [], []
     rv = rec.reviews
-    for r_, k_ in zip(*np.nonzero(rv.valid)):
-        committee = bool(rv.committee[r_, k_])
-        obs_z = float(rv.obs.z[r_, k_]) if rv.obs.z_defined[r_, k_] else None
-        before, after = STATE_NAMES[int(rv.obs.before[r_, k_])], STATE_NAMES[int(rv.obs.after[r_, k_])]
-        truth = rec.review_truth[r_, k_]
-        t = int(rv.t[r_, k_])
-        reviews.append(dict(
-            labels, t=t, visit=int(rv.visit[r_, k_]), action="finalize" if rv.finalize[r_, k_] else "contribute",
-            author=int(rv.author[r_, k_]), ability=int(rv.ability[r_, k_]),
-            author_degraded=bool(rec.author_degraded[r_, k_]), author_model=ROLE_NAMES[int(truth[1])],
-            part_correct=bool(truth[0]), probe=bool(rv.probe[r_, k_]), reviewer=int(rv.reviewer[r_, k_]),
-            u1=float(rv.samples[r_, k_, 0]), u2=float(rv.samples[r_, k_, 1]), u3=float(rv.samples[r_, k_, 2]),
-            q0=float(rv.q0[r_, k_]), s_u=float(rv.s_u[r_, k_]), committee=committee,
-            committee_a=int(rv.member_a[r_, k_]) if committee else -1,
-            committee_b=int(rv.member_b[r_, k_]) if committee else -1,
-            v_a1=float(rv.round1[r_, k_, 0]) if committee else None, v_b1=float(rv.round1[r_, k_, 1]) if committee else None,
-            v_a=float(rv.round2[r_, k_, 0]) if committee else None, v_b=float(rv.round2[r_, k_, 1]) if committee else None,
-            q=float(rv.q[r_, k_]), takeover=bool(rv.takeover[r_, k_]), correct_before=bool(truth[2]),
-            correct_after=bool(truth[3]), z=obs_z, state_before=before, state_after=after,
+    r_, k_ = np.nonzero(rv.valid)
+    committee = rv.committee[r_, k_]
+    before = np.array(STATE_NAMES)[rv.obs.before[r_, k_]]
+    after = np.array(STATE_NAMES)[rv.obs.after[r_, k_]]
+    z = _where(rv.obs.z_defined[r_, k_], rv.obs.z[r_, k_])
+    truth = rec.review_truth[r_, k_]
+    if "reviews" in tables:
+        out["reviews"] = _labelled(spec, "reviews", dict(
+            t=rv.t[r_, k_], visit=rv.visit[r_, k_], action=np.where(rv.finalize[r_, k_], "finalize", "contribute"),
+            author=rv.author[r_, k_], ability=rv.ability[r_, k_], author_degraded=rec.author_degraded[r_, k_],
+            author_model=_names(ROLE_NAMES, truth[:, 1]), part_correct=truth[:, 0] == 1, probe=rv.probe[r_, k_],
+            reviewer=rv.reviewer[r_, k_], u1=rv.samples[r_, k_, 0], u2=rv.samples[r_, k_, 1], u3=rv.samples[r_, k_, 2],
+            q0=rv.q0[r_, k_], s_u=rv.s_u[r_, k_], committee=committee,
+            committee_a=np.where(committee, rv.member_a[r_, k_], -1), committee_b=np.where(committee, rv.member_b[r_, k_], -1),
+            v_a1=_where(committee, rv.round1[r_, k_, 0]), v_b1=_where(committee, rv.round1[r_, k_, 1]),
+            v_a=_where(committee, rv.round2[r_, k_, 0]), v_b=_where(committee, rv.round2[r_, k_, 1]),
+            q=rv.q[r_, k_], takeover=rv.takeover[r_, k_], correct_before=truth[:, 2] == 1,
+            correct_after=truth[:, 3] == 1, z=z, state_before=before, state_after=after,
         ))  # fmt: skip
-        if before != after:
-            states.append(dict(labels, t=t, agent=int(rv.author[r_, k_]), **{"from": before, "to": after}, z=obs_z,
-                               reason=REASON_NAMES[int(rv.obs.reason[r_, k_])], probe=bool(rv.probe[r_, k_]),
-                               degraded=bool(rec.author_degraded[r_, k_])))  # fmt: skip
-    tasks = []
-    fs = rec.finished
-    for r_, k_ in zip(*np.nonzero(rec.finished_mask)):
-        t = int(fs.t[r_, k_])
-        answered = bool(fs.answered[r_, k_])
-        route = fs.route[r_, k_, : int(fs.route_len[r_, k_])]
-        actions = fs.actions[r_, k_, : int(fs.n_actions[r_, k_])]
-        prompt, completion = int(fs.prompt_tokens[r_, k_]), int(fs.completion_tokens[r_, k_])
-        tasks.append(dict(
-            labels, t=t, task_type=int(world.task_type[t - 1]), phase=int(spec.stream.phase[t - 1]),
-            entry=int(fs.entry[r_, k_]), route="-".join(str(int(a)) for a in route),
-            actions=",".join(ACTION_NAMES[int(a)] for a in actions), moves=int(fs.moves[r_, k_]),
-            answered=answered, correct=bool(rec.finished_truth[r_, k_, 0]),
-            answer_id=int(fs.answer_id[r_, k_]) if answered else -1, inferred_pair=int(fs.pair[r_, k_]),
-            pair_correct=bool(rec.finished_truth[r_, k_, 1]), unreviewed=int(fs.unreviewed[r_, k_]),
-            end=END_NAMES[int(fs.end[r_, k_])], calls=int(fs.calls[r_, k_]), prompt_tokens=prompt,
+    if "states" in tables:
+        changed = before != after
+        out["states"] = _labelled(spec, "states", {
+            "t": rv.t[r_, k_][changed], "agent": rv.author[r_, k_][changed], "from": before[changed],
+            "to": after[changed], "z": z.filter(pl.Series(changed)) if len(changed) else z,
+            "reason": _names(REASON_NAMES, rv.obs.reason[r_, k_][changed]), "probe": rv.probe[r_, k_][changed],
+            "degraded": rec.author_degraded[r_, k_][changed],
+        })  # fmt: skip
+    if "tasks" in tables:
+        fs = rec.finished
+        r_, k_ = np.nonzero(rec.finished_mask)
+        t = fs.t[r_, k_]
+        answered = fs.answered[r_, k_]
+        prompt, completion = fs.prompt_tokens[r_, k_], fs.completion_tokens[r_, k_]
+        names = dict(enumerate(ACTION_NAMES))
+        paths = pl.DataFrame({"route": fs.route[r_, k_], "route_len": fs.route_len[r_, k_],
+                              "actions": fs.actions[r_, k_], "n_actions": fs.n_actions[r_, k_]}).select(
+            pl.col("route").arr.to_list().list.head(pl.col("route_len"))
+            .list.eval(pl.element().cast(pl.String)).list.join("-"),
+            pl.col("actions").arr.to_list().list.head(pl.col("n_actions"))
+            .list.eval(pl.element().replace_strict(names, return_dtype=pl.String)).list.join(","),
+        )  # fmt: skip
+        frame = _labelled(spec, "tasks", dict(
+            t=t, task_type=np.asarray(spec.stream.task_type)[t - 1], phase=np.asarray(spec.stream.phase)[t - 1],
+            entry=fs.entry[r_, k_], route=paths["route"], actions=paths["actions"], moves=fs.moves[r_, k_],
+            answered=answered, correct=rec.finished_truth[r_, k_, 0] == 1,
+            answer_id=np.where(answered, fs.answer_id[r_, k_], -1), inferred_pair=fs.pair[r_, k_],
+            pair_correct=rec.finished_truth[r_, k_, 1] == 1, unreviewed=fs.unreviewed[r_, k_],
+            end=_names(END_NAMES, fs.end[r_, k_]), calls=fs.calls[r_, k_], prompt_tokens=prompt,
             completion_tokens=completion, tokens=prompt + completion,
         ))  # fmt: skip
-    tasks.sort(key=lambda row: row["t"])
-    return {"tasks": tasks, "reviews": reviews, "states": states, "calls": calls}
+        out["tasks"] = frame.sort("t")
+    return out

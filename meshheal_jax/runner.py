@@ -175,8 +175,7 @@ def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]]) -> lis
     for dataset, pair_name, seed in streams:
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
-    tables = engine.run_streams(specs, exp.protocol, slots=exp.slots)
-    return [{name: metrics.frame(name, t[name]) for name in TABLES} for t in tables]
+    return engine.run_streams(specs, exp.protocol, slots=exp.slots)
 
 
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:

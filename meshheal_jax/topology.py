@@ -9,10 +9,13 @@ naming the rule and the ability or task type.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse
+import scipy.sparse.csgraph
 
 from meshheal_jax.errors import MeshHealError
 
@@ -152,23 +155,47 @@ def load_profile(dataset_or_path: str | Path, profile_dir: Path | None = None) -
 
 @dataclasses.dataclass(frozen=True)
 class Network:
-    """Agents (replicated profile) and an undirected graph, as plain numpy data."""
+    """Agents (replicated profile) and an undirected graph, as plain numpy data.
+
+    The graph is an edge list (E, 2), each row (i, j) with i < j, sorted and unique; the engines
+    read it as a padded neighbour table (N, K), neighbours in increasing index, -1 padding.
+    A dense adjacency matrix exists only for small networks (tests, the 6-agent experiments).
+    """
 
     profile: Profile
     holds: np.ndarray  # (N, n_abilities) bool: agent k holds ability s (original set K_k)
-    adjacency: np.ndarray  # (N, N) bool, symmetric, no self loops
+    edges: np.ndarray  # (E, 2) int32, i < j, sorted, unique
     degraded_targets: tuple[int, ...]  # agent indices (A3/A5 of every replica)
 
     @property
     def n_agents(self) -> int:
         return int(self.holds.shape[0])
 
-    def neighbours(self, agent: int) -> list[int]:
-        return [int(j) for j in np.flatnonzero(self.adjacency[agent])]
-
     @property
     def n_edges(self) -> int:
-        return int(self.adjacency.sum()) // 2
+        return int(self.edges.shape[0])
+
+    @functools.cached_property
+    def neighbour_table(self) -> np.ndarray:
+        """(N, K) int32, K = max degree; row i lists i's neighbours in increasing order, -1 padded."""
+        return neighbour_table(self.edges, self.n_agents)
+
+    def neighbours(self, agent: int) -> list[int]:
+        row = self.neighbour_table[agent]
+        return [int(j) for j in row[row >= 0]]
+
+    @property
+    def adjacency(self) -> np.ndarray:
+        """(N, N) bool; small networks only."""
+        n = self.n_agents
+        if n > DENSE_LIMIT:
+            raise MeshHealError(f"a dense adjacency of {n} agents is not built (limit {DENSE_LIMIT}); use neighbour_table")
+        adjacency = np.zeros((n, n), dtype=bool)
+        adjacency[self.edges[:, 0], self.edges[:, 1]] = True
+        return adjacency | adjacency.T
+
+
+DENSE_LIMIT = 4096
 
 
 def replicate_holds(profile: Profile, n_agents: int) -> np.ndarray:
@@ -183,7 +210,14 @@ def complete_graph(n_agents: int) -> np.ndarray:
     return adjacency
 
 
-def validate_graph(adjacency: np.ndarray) -> None:
+def complete_edges(n_agents: int) -> np.ndarray:
+    i, j = np.triu_indices(n_agents, k=1)
+    return np.stack([i, j], axis=1).astype(np.int32)
+
+
+def edges_from_adjacency(adjacency: np.ndarray) -> np.ndarray:
+    """Checks a dense adjacency (square, no self loop, symmetric) and returns its edge list."""
+    adjacency = np.asarray(adjacency, dtype=bool)
     n = adjacency.shape[0]
     if adjacency.shape != (n, n):
         raise MeshHealError(f"graph: adjacency must be square, got {adjacency.shape}")
@@ -192,23 +226,68 @@ def validate_graph(adjacency: np.ndarray) -> None:
     if not np.array_equal(adjacency, adjacency.T):
         i, j = np.argwhere(adjacency != adjacency.T)[0]
         raise MeshHealError(f"graph: edge ({i}, {j}) is not undirected")
-    seen = {0}
-    frontier = [0]
-    while frontier:
-        frontier = [int(j) for i in frontier for j in np.flatnonzero(adjacency[i]) if j not in seen]
-        seen.update(frontier)
-    if len(seen) != n:
-        missing = min(set(range(n)) - seen)
-        raise MeshHealError(f"graph: not connected (agent {missing} unreachable from agent 0)")
+    i, j = np.nonzero(np.triu(adjacency, k=1))
+    return np.stack([i, j], axis=1).astype(np.int32)
 
 
-def build_network(profile: Profile, n_agents: int = 6, adjacency: np.ndarray | None = None) -> Network:
+def neighbour_table(edges: np.ndarray, n_agents: int) -> np.ndarray:
+    both = np.concatenate([edges, edges[:, ::-1]]).astype(np.int64)
+    order = np.lexsort((both[:, 1], both[:, 0]))
+    src, dst = both[order, 0], both[order, 1]
+    degree = np.bincount(src, minlength=n_agents)
+    k = max(int(degree.max(initial=0)), 1)
+    starts = np.concatenate([[0], np.cumsum(degree)[:-1]])
+    column = np.arange(src.size) - starts[src]
+    table = np.full((n_agents, k), -1, dtype=np.int32)
+    table[src, column] = dst
+    return table
+
+
+def validate_edges(edges: np.ndarray, n_agents: int) -> np.ndarray:
+    """Normalise an edge list to (E, 2) int32 rows i < j, sorted; reject self loops, duplicates,
+    ids out of range and a disconnected graph, naming the offending agent or edge."""
+    edges = np.asarray(edges)
+    if edges.ndim != 2 or edges.shape[1] != 2:
+        raise MeshHealError(f"graph: edge list must have shape (E, 2), got {edges.shape}")
+    edges = edges.astype(np.int64)
+    bad = np.flatnonzero((edges < 0).any(axis=1) | (edges >= n_agents).any(axis=1))
+    if bad.size:
+        raise MeshHealError(f"graph: edge {tuple(int(x) for x in edges[bad[0]])} names an agent outside 0..{n_agents - 1}")
+    loops = np.flatnonzero(edges[:, 0] == edges[:, 1])
+    if loops.size:
+        raise MeshHealError(f"graph: self loop at agent {int(edges[loops[0], 0])}")
+    edges = np.sort(edges, axis=1)
+    edges = edges[np.lexsort((edges[:, 1], edges[:, 0]))]
+    dup = np.flatnonzero((np.diff(edges, axis=0) == 0).all(axis=1))
+    if dup.size:
+        raise MeshHealError(f"graph: edge {tuple(int(x) for x in edges[dup[0]])} appears twice")
+    if n_agents > 1:
+        graph = scipy.sparse.coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(n_agents, n_agents))
+        reached = scipy.sparse.csgraph.breadth_first_order(graph, 0, directed=False, return_predecessors=False)
+        if reached.size != n_agents:
+            missing = int(np.setdiff1d(np.arange(n_agents), reached)[0])
+            raise MeshHealError(f"graph: not connected (agent {missing} unreachable from agent 0)")
+    return edges.astype(np.int32)
+
+
+def validate_graph(adjacency: np.ndarray) -> None:
+    validate_edges(edges_from_adjacency(adjacency), np.asarray(adjacency).shape[0])
+
+
+def build_network(profile: Profile, n_agents: int = 6, adjacency: np.ndarray | None = None,
+                  edges: np.ndarray | None = None) -> Network:  # fmt: skip
+    """Replicate the profile to n_agents over a graph given as edges, a dense adjacency, or
+    neither (complete graph)."""
     holds = replicate_holds(profile, n_agents)
-    adjacency = complete_graph(n_agents) if adjacency is None else np.asarray(adjacency, dtype=bool)
-    if adjacency.shape[0] != n_agents:
-        raise MeshHealError(f"graph has {adjacency.shape[0]} agents, profile replicated to {n_agents}")
-    validate_graph(adjacency)
+    if adjacency is not None:
+        adjacency = np.asarray(adjacency, dtype=bool)
+        if adjacency.shape[0] != n_agents:
+            raise MeshHealError(f"graph has {adjacency.shape[0]} agents, profile replicated to {n_agents}")
+        edges = edges_from_adjacency(adjacency)
+    elif edges is None:
+        edges = complete_edges(n_agents)
+    edges = validate_edges(edges, n_agents)
     targets = tuple(
         r * BASE_AGENTS + a for r in range(n_agents // BASE_AGENTS) for a in profile.degraded_targets
     )
-    return Network(profile, holds, adjacency, tuple(sorted(targets)))
+    return Network(profile, holds, edges, tuple(sorted(targets)))

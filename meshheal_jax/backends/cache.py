@@ -1,0 +1,128 @@
+"""On-disk response cache of the live backend (spec/live.md "Response cache").
+
+One row per HTTP chat-completion call, keyed by the sha256 of (real model id, messages, sampling
+parameters, seed, n). The real model id (e.g. `openai/gpt-oss-120b`), never the served alias
+(`strong`) nor the server's URL, so a re-run against another server of the same model, or after a
+restart on another port, re-sends nothing it already has. A response is written the moment it
+arrives (sqlite3 in WAL mode, one commit per row), so a run killed mid-batch loses no tokens.
+
+Nothing secret goes in: the key material has no headers or API key, the stored payload is the
+reply's text, finish reasons, usage and latency; any value of a known secret variable that
+would still appear in it (a model echoing a token put in a prompt) is redacted before writing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from meshheal_jax.errors import MeshHealError
+
+CACHE_FORMAT = 1  # part of every key: bump to invalidate old entries after a payload change
+SECRET_ENV_VARS = (
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "OPENAI_API_KEY",
+    "VLLM_API_KEY",
+    "MESHHEAL_API_KEY",
+)
+REDACTED = "[redacted]"
+_MIN_SECRET_LENGTH = 6  # shorter values (e.g. "EMPTY") are not secrets worth scanning for
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    key TEXT PRIMARY KEY,
+    model_id TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    created REAL NOT NULL
+)
+"""
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def cache_key(model_id: str, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> str:
+    """sha256 hex of (format, real model id, messages, sampling params incl. seed and n)."""
+    if not model_id:
+        raise MeshHealError("response cache: a key needs the real model id")
+    material = {
+        "format": CACHE_FORMAT,
+        "model": model_id,
+        "messages": [dict(m) for m in messages],
+        "params": dict(params),
+    }
+    return hashlib.sha256(canonical_json(material).encode("utf-8")).hexdigest()
+
+
+def _secret_values() -> list[str]:
+    values = [os.environ.get(name, "") for name in SECRET_ENV_VARS]
+    return [v for v in values if len(v) >= _MIN_SECRET_LENGTH]
+
+
+def redact_secrets(text: str, secrets: Sequence[str] | None = None) -> str:
+    for secret in _secret_values() if secrets is None else secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+class ResponseCache:
+    """sqlite3 (WAL) map: cache key -> response payload (a JSON-able dict).
+
+    Used from one thread (the live client's event loop); several processes may share the file.
+    `extra_secrets`: more values to redact (e.g. an API key given on the command line).
+    """
+
+    def __init__(self, path: str | Path, extra_secrets: Sequence[str] = ()) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(_SCHEMA)
+        except sqlite3.DatabaseError as err:
+            raise MeshHealError(f"response cache {self.path}: cannot open ({err})") from None
+        self._secrets = [s for s in extra_secrets if len(s) >= _MIN_SECRET_LENGTH]
+        self.hits = 0
+        self.misses = 0
+        self.writes = 0
+
+    def get(self, key: str) -> dict | None:
+        row = self._db.execute("SELECT payload FROM responses WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return json.loads(row[0])
+
+    def put(self, key: str, model_id: str, payload: Mapping[str, Any]) -> None:
+        text = redact_secrets(canonical_json(payload), _secret_values() + self._secrets)
+        self._db.execute(
+            "INSERT OR REPLACE INTO responses (key, model_id, payload, created) VALUES (?, ?, ?, ?)",
+            (key, model_id, text, time.time()),
+        )
+        self.writes += 1
+
+    def __contains__(self, key: str) -> bool:
+        return self._db.execute("SELECT 1 FROM responses WHERE key = ?", (key,)).fetchone() is not None
+
+    def __len__(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> ResponseCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

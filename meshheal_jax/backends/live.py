@@ -1,0 +1,742 @@
+"""The live backend's client: every call of a round sent concurrently to OpenAI-compatible
+servers (vLLM), parsed, cached on disk (spec/live.md "Requests", architecture.md "Live backend").
+
+The boundary with the host loop is two plain dataclasses. The host loop turns the requests
+emitted by the controller into `CallRequest`s (role already resolved from health: "strong" or
+"weak"; prompt messages built by `meshheal_jax.prompts`), awaits `LiveClient.run_batch`, and
+reads one `CallResponse` per request back into the response arrays:
+
+    async with LiveClient([ServerGroup("strong", ("http://127.0.0.1:8000/v1",)),
+                           ServerGroup("weak", ("http://127.0.0.1:8001/v1",))],
+                          cache=ResponseCache("runs/x/responses.sqlite")) as client:
+        responses = await client.run_batch(requests)
+
+(`SyncLiveClient` wraps the same for a synchronous host loop.)
+
+Behaviour, all of it tested against a scripted stand-in server (tests/test_live.py):
+- One long-lived `openai.AsyncOpenAI` per base URL, several base URLs per role taken in turn
+  (round-robin per HTTP attempt), an `asyncio.Semaphore` per server capping requests in
+  flight, and an HTTP connection pool larger than the semaphore (a default pool would silently
+  cap concurrency).
+- Retries with jittered exponential backoff on connection errors and timeouts, 429 (honouring
+  Retry-After) and 5xx only, at most `RetryPolicy.max_retries` times; any other status fails at
+  once (`RequestRejectedError`). A server that stays down raises `ServerUnavailableError` once
+  the whole round has settled, so every response that did arrive is already in the cache.
+- `n` > 1 (the three initial review samples) goes out as one request sharing the prefill; if a
+  server returns fewer choices, the missing samples i are sent as separate requests with seed
+  seed + i (what vLLM gives sample i of an n-request). Tokens are counted as the paper counts:
+  the prompt once per sample; the prefill the server shared is reported apart
+  (`prefix_shared_tokens`).
+- A sample whose reply does not parse, or that stopped on `length` with empty content, is sent
+  once more alone with seed + 1,000,003 (its tokens counted); if that fails too it is recorded
+  as a parse failure with the parser's fallback (a neutral 0.5 review, the documented pair).
+- Every HTTP call is looked up in / written to the `ResponseCache` (key: real model id,
+  messages, sampling params, seed, n) as soon as it returns: a repeated or resumed batch sends
+  nothing it already has.
+- `reasoning_effort` (default "medium") goes to gpt-oss models only; `max_completion_tokens`
+  covers their reasoning too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import email.utils
+import hashlib
+import math
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshheal_jax.backends.cache import ResponseCache, cache_key
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.prompts import TEXT_PARSER, ReplyParseError, ReplyParser
+
+KINDS = ("infer", "generate", "review", "committee1", "committee2", "candidate", "synthesis")
+ROLES = ("strong", "weak")
+INITIAL_REVIEW_SAMPLES = 3  # the initial review's n
+SEED_SPACING = 4  # request seeds are multiples of this, > any n: sample seeds never collide
+RETRY_SEED_OFFSET = 1_000_003  # a parse-failure retry of sample i uses seed + i + this
+DEFAULT_REASONING_EFFORT = "medium"  # gpt-oss only
+POOL_HEADROOM = 32  # HTTP connections per server beyond its semaphore
+API_KEY_ENV_VARS = ("MESHHEAL_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")
+
+# CallResponse.parse_status values, per sample
+PARSE_OK = "ok"
+PARSE_RETRIED = "retried"  # failed once, the retry with seed + 1,000,003 parsed
+PARSE_FAILED = "failed"  # failed twice: the parser's fallback was recorded
+PARSE_STATUSES = (PARSE_OK, PARSE_RETRIED, PARSE_FAILED)
+
+
+class LiveBackendError(MeshHealError):
+    """A live-backend failure the CLIs report in one line (exit status 2)."""
+
+
+class ServerUnavailableError(LiveBackendError):
+    """A server stayed unreachable (or kept answering 429/5xx) through every retry."""
+
+
+class RequestRejectedError(LiveBackendError):
+    """A server refused a request outright (a 4xx other than 429): retrying cannot help."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The boundary
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters sent with every call (explicit: servers run `--generation-config vllm`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRequest:
+    """One model call of one in-flight task, as the host loop hands it to the client."""
+
+    stream: int  # stream index in the batch
+    t: int  # the task's index in its stream
+    call_id: int  # the call's index within the task (seeds derive from it)
+    kind: str  # one of KINDS
+    role: str  # "strong" | "weak" (resolved by the backend from health, never by the controller)
+    messages: tuple[Mapping[str, str], ...]  # chat messages (meshheal_jax.prompts builders)
+    seed: int  # request_seed(...); sample i of an n-request uses seed + i
+    max_completion_tokens: int
+    n: int = 1  # INITIAL_REVIEW_SAMPLES for the initial review
+    response_format: Mapping[str, Any] | None = None  # e.g. prompts.review_response_format(stage)
+    sampling: Sampling = Sampling()
+    parser: ReplyParser = TEXT_PARSER  # how replies are read; its fallback after a failed retry
+    agent: int = -1  # calling agent (traces only)
+    author: int = -1  # the author whose output is judged, -1 if none (traces only)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
+        where = f"call (stream {self.stream}, t {self.t}, call {self.call_id})"
+        if self.kind not in KINDS:
+            raise MeshHealError(f"{where}: kind {self.kind!r} is not one of {KINDS}")
+        if self.role not in ROLES:
+            raise MeshHealError(f"{where}: role {self.role!r} is not one of {ROLES}")
+        if not self.messages:
+            raise MeshHealError(f"{where}: no messages")
+        if self.n < 1 or self.n > SEED_SPACING:
+            raise MeshHealError(f"{where}: n = {self.n} must be in 1..{SEED_SPACING}")
+        if self.max_completion_tokens < 1:
+            raise MeshHealError(f"{where}: max_completion_tokens must be positive")
+        if self.seed < 0:
+            raise MeshHealError(f"{where}: seed must be non-negative")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallResponse:
+    """What came back for one CallRequest (one entry per sample where it says "per sample")."""
+
+    texts: tuple[str, ...]  # per sample: message.content ("" when there was none)
+    parsed: tuple[Any, ...]  # per sample: the parser's value, or its fallback after a failure
+    parse_status: tuple[str, ...]  # per sample: PARSE_OK | PARSE_RETRIED | PARSE_FAILED
+    finish_reason: tuple[str, ...]  # per sample, of the reply finally used
+    prompt_tokens: int  # counted as the paper counts: the prompt once per sample and per retry
+    completion_tokens: int  # every completion token received, reasoning included, retries too
+    prefix_shared_tokens: int  # of prompt_tokens, the prefill an n-request shared (server-side saving)
+    cached_prompt_tokens: int  # prompt tokens the server reported as prefix-cache hits, if it reports them
+    latency_s: float  # summed round-trip time of the HTTP calls used (as first measured, also from cache)
+    retries: int  # transport retries (connection errors, 429, 5xx) this call needed
+    parse_retries: int  # samples re-sent with seed + 1,000,003
+    http_calls: int  # HTTP requests actually sent (0 when everything came from the cache)
+    from_cache: bool  # every HTTP call of this request was a cache hit
+    model_id: str  # the real model behind the role
+
+    @property
+    def parse_failures(self) -> int:
+        return sum(status == PARSE_FAILED for status in self.parse_status)
+
+    @property
+    def scores(self) -> tuple[float, ...]:
+        """Per-sample review scores (for review kinds: parsed values are prompts.ReviewVerdict)."""
+        return tuple(float(value.score) for value in self.parsed)
+
+
+def request_seed(stream_seed: int, dataset_id: int, t: int, call_id: int) -> int:
+    """The seed of call `call_id` of task t: derived from (stream seed, dataset, task, call) only,
+    a multiple of SEED_SPACING below 2**50, so seed + i (i < n) never meets another call's seed."""
+    digest = hashlib.sha256(f"meshheal:{stream_seed}:{dataset_id}:{t}:{call_id}".encode()).digest()
+    return int.from_bytes(digest[:6], "big") * SEED_SPACING
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+def normalise_base_url(url: str) -> str:
+    """`http://host:8000`, `http://host:8000/` and `http://host:8000/v1` all mean the /v1 API."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise MeshHealError(f"live backend: base URL {url!r} must start with http:// or https://")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def parse_url_list(text: str) -> tuple[str, ...]:
+    """A comma-separated list of base URLs (several servers of one model, used round-robin)."""
+    urls = tuple(normalise_base_url(u) for u in text.split(",") if u.strip())
+    if not urls:
+        raise MeshHealError("live backend: empty list of base URLs")
+    return urls
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerGroup:
+    """The servers of one role: same model behind every base URL."""
+
+    role: str  # "strong" | "weak"
+    base_urls: tuple[str, ...]
+    model_id: str | None = None  # real model id (cache key); None: read from /v1/models ("root")
+    served_name: str | None = None  # --served-model-name; None: the role
+    max_in_flight: int = 128  # per server (near its --max-num-seqs)
+    reasoning_effort: str | None = "auto"  # "auto": DEFAULT_REASONING_EFFORT for gpt-oss, else none
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise MeshHealError(f"live backend: role {self.role!r} is not one of {ROLES}")
+        urls = (self.base_urls,) if isinstance(self.base_urls, str) else tuple(self.base_urls)
+        if not urls:
+            raise MeshHealError(f"live backend: no base URL for the {self.role} model")
+        object.__setattr__(self, "base_urls", tuple(normalise_base_url(u) for u in urls))
+        if self.served_name is None:
+            object.__setattr__(self, "served_name", self.role)
+        if self.max_in_flight < 1:
+            raise MeshHealError(f"live backend: max_in_flight for {self.role} must be >= 1")
+
+    def effort_for(self, model_id: str) -> str | None:
+        if self.reasoning_effort == "auto":
+            return DEFAULT_REASONING_EFFORT if "gpt-oss" in model_id.lower() else None
+        return self.reasoning_effort
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 6  # extra attempts after the first, per HTTP call
+    backoff_base_s: float = 0.5  # attempt k waits uniform(0, min(cap, base * 2**k))
+    backoff_cap_s: float = 30.0
+    retry_after_cap_s: float = 120.0  # longest Retry-After honoured
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 900.0  # one completion, reasoning included
+
+
+@dataclasses.dataclass
+class ServerStats:
+    base_url: str
+    role: str
+    sent: int = 0  # HTTP attempts
+    in_flight: int = 0
+    max_in_flight: int = 0  # the most requests this client had in flight at once
+
+
+@dataclasses.dataclass
+class LiveStats:
+    http_requests: int = 0  # attempts sent, retries included
+    cache_hits: int = 0
+    transport_retries: int = 0
+    n_fallback_calls: int = 0  # separate requests sent because a server returned fewer choices
+    parse_retries: int = 0
+    parse_failures: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefix_shared_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+
+
+def _import_openai():
+    try:
+        import openai
+    except ImportError:
+        raise MeshHealError("the live backend needs the 'openai' package: pip install -e .[live]") from None
+    return openai
+
+
+def _http_client(openai_module, connections: int, retry: RetryPolicy):
+    """The SDK's own async HTTP client class with a pool of `connections` and our timeouts."""
+    client_cls = openai_module.DefaultAsyncHttpxClient
+    lib = None
+    for name in ("httpx2", "httpx"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        if issubclass(client_cls, module.AsyncClient):
+            lib = module
+            break
+    if lib is None:  # pragma: no cover - an SDK built on something else entirely
+        raise MeshHealError("live backend: cannot tell which HTTP library this openai SDK uses")
+    return client_cls(
+        limits=lib.Limits(max_connections=connections, max_keepalive_connections=connections),
+        timeout=lib.Timeout(retry.request_timeout_s, connect=retry.connect_timeout_s),
+    )
+
+
+@dataclasses.dataclass
+class _Server:
+    stats: ServerStats
+    client: Any  # openai.AsyncOpenAI
+    http: Any  # its HTTP client
+    semaphore: asyncio.Semaphore
+
+
+def _retry_after_s(response: Any) -> float | None:
+    headers = getattr(response, "headers", None)
+    if headers is None:
+        return None
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            return float(millis) / 1000.0
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class LiveClient:
+    """Async client of the strong and weak servers. Use `async with`, or `start()`/`aclose()`."""
+
+    def __init__(
+        self,
+        servers: Sequence[ServerGroup],
+        cache: ResponseCache | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        api_key: str | None = None,
+    ) -> None:
+        self.groups: dict[str, ServerGroup] = {}
+        for group in servers:
+            if group.role in self.groups:
+                raise MeshHealError(f"live backend: two server groups for the {group.role} role")
+            self.groups[group.role] = group
+        self.cache = cache
+        self.retry = retry
+        self._api_key = api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), "EMPTY")
+        self._servers: dict[str, list[_Server]] = {}
+        self._turn: dict[str, int] = {}
+        self.model_ids: dict[str, str] = {}
+        self.stats = LiveStats()
+        self._jitter = random.Random()
+        self._openai = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open one client per base URL and check each server lists its served model name.
+
+        Raises MeshHealError naming the URL when a server is unreachable or serves another name.
+        """
+        if self._servers:
+            return
+        self._openai = _import_openai()
+        try:
+            for role, group in self.groups.items():
+                servers = []
+                roots = set()
+                for url in group.base_urls:
+                    http = _http_client(self._openai, group.max_in_flight + POOL_HEADROOM, self.retry)
+                    client = self._openai.AsyncOpenAI(
+                        base_url=url, api_key=self._api_key, http_client=http, max_retries=0
+                    )
+                    server = _Server(ServerStats(url, role), client, http, asyncio.Semaphore(group.max_in_flight))
+                    servers.append(server)
+                    self._servers[role] = servers
+                    roots.add(await self._check_server(server, group))
+                self._turn[role] = 0
+                self.model_ids[role] = self._resolve_model_id(group, roots)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _check_server(self, server: _Server, group: ServerGroup) -> str | None:
+        url = server.stats.base_url
+        try:
+            reply = await server.http.get(
+                f"{url}/models",
+                headers={"Authorization": f"Bearer {self._api_key}"},
+                timeout=self.retry.connect_timeout_s,
+            )
+        except Exception as err:  # any transport failure: refused, DNS, timeout
+            raise ServerUnavailableError(
+                f"live backend: the {group.role} server at {url} is unreachable "
+                f"({type(err).__name__}: {err or 'no detail'}); start it (serving/vllm_pair.sh) or fix "
+                f"the {group.role} URL"
+            ) from None
+        if reply.status_code != 200:
+            raise ServerUnavailableError(
+                f"live backend: GET {url}/models answered HTTP {reply.status_code}; is this an "
+                f"OpenAI-compatible server?"
+            )
+        try:
+            entries = reply.json()["data"]
+            names = {str(entry["id"]): entry.get("root") for entry in entries}
+        except (ValueError, KeyError, TypeError):
+            raise ServerUnavailableError(f"live backend: GET {url}/models did not return a model list") from None
+        if group.served_name not in names:
+            raise MeshHealError(
+                f"live backend: the {group.role} server at {url} serves {sorted(names)}, not "
+                f"{group.served_name!r}; start it with --served-model-name {group.served_name} or "
+                f"give the served name it uses"
+            )
+        return names[group.served_name]
+
+    def _resolve_model_id(self, group: ServerGroup, roots: set[str | None]) -> str:
+        if group.model_id:
+            return group.model_id
+        known = {root for root in roots if root}
+        if len(known) == 1 and None not in roots:
+            return known.pop()
+        if len(known) > 1:
+            raise MeshHealError(
+                f"live backend: the {group.role} servers serve different models {sorted(known)}; "
+                f"one role must be one model"
+            )
+        raise MeshHealError(
+            f"live backend: the {group.role} server does not say which model it serves; give the "
+            f"real model id (e.g. openai/gpt-oss-120b) for the {group.role} role"
+        )
+
+    async def aclose(self) -> None:
+        for servers in self._servers.values():
+            for server in servers:
+                try:
+                    await server.client.close()
+                except Exception:  # pragma: no cover - closing a broken client
+                    pass
+        self._servers = {}
+
+    async def __aenter__(self) -> LiveClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def server_stats(self) -> list[ServerStats]:
+        return [server.stats for servers in self._servers.values() for server in servers]
+
+    # -- a round -----------------------------------------------------------------------------
+
+    async def run_batch(self, requests: Sequence[CallRequest]) -> list[CallResponse]:
+        """Send every request of a round at once; one CallResponse per request, in order.
+
+        When some calls fail for good (a server down through every retry, a rejected request),
+        the others still run to completion and are cached; then the first failure is raised.
+        """
+        if not self._servers:
+            raise MeshHealError("live backend: LiveClient.start() was not called")
+        missing = {r.role for r in requests} - set(self._servers)
+        if missing:
+            raise MeshHealError(f"live backend: no server configured for role(s) {sorted(missing)}")
+        results = await asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if not failures:
+            return list(results)  # type: ignore[arg-type]
+        first = failures[0]
+        if not isinstance(first, LiveBackendError):
+            raise first
+        done = len(requests) - len(failures)
+        if self.cache is not None:
+            kept = f"the {done} completed call(s) and every reply received are saved in {self.cache.path}; re-run to resume"
+        else:
+            kept = "no response cache is configured, so the received replies are not kept"
+        raise type(first)(f"{first} [{len(failures)} of {len(requests)} calls of this round failed; {kept}]") from first
+
+    async def _complete(self, request: CallRequest) -> CallResponse:
+        model_id = self.model_ids[request.role]
+        n = request.n
+        calls = []  # (payload, from_cache, retries)
+        first = await self._send(request, n, request.seed)
+        calls.append(first)
+        payload = first[0]
+        choices = list(payload["choices"][:n])
+        prompt = _usage(payload, "prompt_tokens")
+        prompt_tokens = prompt * max(len(choices), 1)
+        prefix_shared = prompt * max(len(choices) - 1, 0)
+        completion_tokens = _usage(payload, "completion_tokens")
+        cached = _usage(payload, "cached_tokens")
+        if 1 < n and len(choices) < n:
+            self.stats.n_fallback_calls += n - len(choices)
+            extra = await asyncio.gather(
+                *(self._send(request, 1, request.seed + i) for i in range(len(choices), n))
+            )
+            for call in extra:
+                calls.append(call)
+                choices.append(call[0]["choices"][0] if call[0]["choices"] else _MISSING_CHOICE)
+                prompt_tokens += _usage(call[0], "prompt_tokens")
+                completion_tokens += _usage(call[0], "completion_tokens")
+                cached += _usage(call[0], "cached_tokens")
+        if not choices:
+            choices = [_MISSING_CHOICE]
+
+        texts = [str(choice.get("content") or "") for choice in choices]
+        finishes = [str(choice.get("finish_reason") or "") for choice in choices]
+        parsed: list[Any] = [None] * n
+        status = [PARSE_OK] * n
+        failed = []
+        for i in range(n):
+            ok, parsed[i] = _parse(request.parser, texts[i], finishes[i])
+            if not ok:
+                failed.append(i)
+        if failed:
+            self.stats.parse_retries += len(failed)
+            retried = await asyncio.gather(
+                *(self._send(request, 1, request.seed + i + RETRY_SEED_OFFSET) for i in failed)
+            )
+            for i, call in zip(failed, retried):
+                calls.append(call)
+                choice = call[0]["choices"][0] if call[0]["choices"] else _MISSING_CHOICE
+                texts[i] = str(choice.get("content") or "")
+                finishes[i] = str(choice.get("finish_reason") or "")
+                prompt_tokens += _usage(call[0], "prompt_tokens")
+                completion_tokens += _usage(call[0], "completion_tokens")
+                cached += _usage(call[0], "cached_tokens")
+                ok, value = _parse(request.parser, texts[i], finishes[i])
+                if ok:
+                    parsed[i], status[i] = value, PARSE_RETRIED
+                else:
+                    parsed[i], status[i] = request.parser.fallback, PARSE_FAILED
+                    self.stats.parse_failures += 1
+
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.completion_tokens += completion_tokens
+        self.stats.prefix_shared_tokens += prefix_shared
+        return CallResponse(
+            texts=tuple(texts),
+            parsed=tuple(parsed),
+            parse_status=tuple(status),
+            finish_reason=tuple(finishes),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            prefix_shared_tokens=prefix_shared,
+            cached_prompt_tokens=cached,
+            latency_s=sum(float(call[0].get("latency_s", 0.0)) for call in calls),
+            retries=sum(call[2] for call in calls),
+            parse_retries=len(failed),
+            http_calls=sum(not call[1] for call in calls),
+            from_cache=all(call[1] for call in calls),
+            model_id=model_id,
+        )
+
+    # -- one HTTP call: cache, then the wire ---------------------------------------------------
+
+    def _params(self, request: CallRequest, n: int, seed: int) -> dict[str, Any]:
+        group = self.groups[request.role]
+        return {
+            "n": n,
+            "seed": seed,
+            "max_completion_tokens": request.max_completion_tokens,
+            "temperature": request.sampling.temperature,
+            "top_p": request.sampling.top_p,
+            "response_format": dict(request.response_format) if request.response_format else None,
+            "reasoning_effort": group.effort_for(self.model_ids[request.role]),
+        }
+
+    async def _send(self, request: CallRequest, n: int, seed: int) -> tuple[dict, bool, int]:
+        """(payload, from cache, transport retries) of one HTTP call."""
+        model_id = self.model_ids[request.role]
+        params = self._params(request, n, seed)
+        key = cache_key(model_id, request.messages, params)
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.stats.cache_hits += 1
+                return hit, True, 0
+        payload, retries = await self._post(request, params)
+        if self.cache is not None:
+            self.cache.put(key, model_id, payload)
+        return payload, False, retries
+
+    def _next_server(self, role: str) -> _Server:
+        servers = self._servers[role]
+        server = servers[self._turn[role] % len(servers)]
+        self._turn[role] += 1
+        return server
+
+    def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
+        ceiling = min(self.retry.backoff_cap_s, self.retry.backoff_base_s * 2**attempt)
+        delay = self._jitter.uniform(0.0, ceiling)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.retry.retry_after_cap_s))
+        return delay
+
+    async def _post(self, request: CallRequest, params: Mapping[str, Any]) -> tuple[dict, int]:
+        openai = self._openai
+        group = self.groups[request.role]
+        wire: dict[str, Any] = {
+            key: value
+            for key, value in params.items()
+            if value is not None and key != "reasoning_effort"
+        }
+        if params.get("reasoning_effort"):
+            wire["extra_body"] = {"reasoning_effort": params["reasoning_effort"]}
+        last_error = ""
+        tried: list[str] = []
+        for attempt in range(self.retry.max_retries + 1):
+            server = self._next_server(request.role)
+            retry_after = None
+            async with server.semaphore:
+                server.stats.in_flight += 1
+                server.stats.max_in_flight = max(server.stats.max_in_flight, server.stats.in_flight)
+                server.stats.sent += 1
+                self.stats.http_requests += 1
+                started = time.monotonic()
+                try:
+                    completion = await server.client.chat.completions.create(
+                        model=group.served_name, messages=list(request.messages), **wire
+                    )
+                except openai.RateLimitError as err:
+                    retry_after = _retry_after_s(err.response)
+                    last_error = "HTTP 429 (rate limited)"
+                except openai.APIStatusError as err:
+                    if err.status_code < 500:
+                        raise RequestRejectedError(
+                            f"live backend: the {request.role} server at {server.stats.base_url} "
+                            f"rejected a {request.kind} call (stream {request.stream}, t {request.t}, "
+                            f"call {request.call_id}) with HTTP {err.status_code}: {_short(err)}"
+                        ) from None
+                    last_error = f"HTTP {err.status_code}"
+                except openai.APIConnectionError as err:
+                    last_error = f"{type(err).__name__}: {_short(err)}"
+                else:
+                    return _payload(completion, time.monotonic() - started), attempt
+                finally:
+                    server.stats.in_flight -= 1
+            if server.stats.base_url not in tried:
+                tried.append(server.stats.base_url)
+            if attempt < self.retry.max_retries:
+                self.stats.transport_retries += 1
+                await asyncio.sleep(self._backoff_s(attempt, retry_after))
+        raise ServerUnavailableError(
+            f"live backend: the {request.role} server ({', '.join(tried)}) failed "
+            f"{self.retry.max_retries + 1} attempts of a {request.kind} call (stream {request.stream}, "
+            f"t {request.t}); last error: {last_error}"
+        )
+
+
+_MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
+
+
+def _short(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _usage(payload: Mapping[str, Any], field: str) -> int:
+    usage = payload.get("usage") or {}
+    return int(usage.get(field) or 0)
+
+
+def _payload(completion: Any, latency_s: float) -> dict:
+    """The part of a chat completion kept (and cached): texts, finish reasons, usage, latency."""
+    choices = sorted(completion.choices or [], key=lambda choice: choice.index or 0)
+    usage = completion.usage
+    cached = 0
+    if usage is not None:
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+    return {
+        "choices": [
+            {"content": choice.message.content or "", "finish_reason": choice.finish_reason or ""}
+            for choice in choices
+        ],
+        "usage": None
+        if usage is None
+        else {
+            "prompt_tokens": int(usage.prompt_tokens or 0),
+            "completion_tokens": int(usage.completion_tokens or 0),
+            "cached_tokens": cached,
+        },
+        "latency_s": latency_s,
+    }
+
+
+def _parse(parser: ReplyParser, text: str, finish_reason: str) -> tuple[bool, Any]:
+    if finish_reason == "length" and not text.strip():
+        return False, None
+    try:
+        return True, parser.parse(text)
+    except ReplyParseError:
+        return False, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronous wrapper and traces
+
+
+class SyncLiveClient:
+    """LiveClient for a synchronous host loop: one private event loop kept for the whole run
+    (the HTTP connections belong to it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._runner = asyncio.Runner()
+        self.client = LiveClient(*args, **kwargs)
+        try:
+            self._runner.run(self.client.start())
+        except BaseException:
+            self._runner.close()
+            raise
+
+    def run_batch(self, requests: Sequence[CallRequest]) -> list[CallResponse]:
+        return self._runner.run(self.client.run_batch(requests))
+
+    def close(self) -> None:
+        try:
+            self._runner.run(self.client.aclose())
+        finally:
+            self._runner.close()
+
+    def __enter__(self) -> SyncLiveClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def trace_rows(requests: Sequence[CallRequest], responses: Sequence[CallResponse]) -> list[dict]:
+    """One row per call for calls.parquet: who, which model, tokens, latency, parse status and
+    the parsed score (reviews) or answer (executions); sample-level values joined in order."""
+    rows = []
+    for request, response in zip(requests, responses, strict=True):
+        scores = [getattr(value, "score", None) for value in response.parsed]
+        answers = [getattr(value, "answer", None) for value in response.parsed]
+        rows.append(
+            {
+                "stream": request.stream,
+                "t": request.t,
+                "call_id": request.call_id,
+                "kind": request.kind,
+                "agent": request.agent,
+                "author": request.author,
+                "role": request.role,
+                "model_id": response.model_id,
+                "n": request.n,
+                "prompt_tokens": response.prompt_tokens,
+                "completion_tokens": response.completion_tokens,
+                "prefix_shared_tokens": response.prefix_shared_tokens,
+                "latency_s": response.latency_s,
+                "parse_status": ",".join(response.parse_status),
+                "parse_failures": response.parse_failures,
+                "scores": None if all(s is None for s in scores) else [math.nan if s is None else s for s in scores],
+                "answers": None if all(a is None for a in answers) else answers,
+                "from_cache": response.from_cache,
+            }
+        )
+    return rows

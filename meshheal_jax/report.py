@@ -1,0 +1,411 @@
+"""`python -m meshheal_jax.report RUN_DIR`: regenerate a run folder's plots and its report.md.
+
+Reads config.json, summary.json and the parquet tables of a finished run, redraws the figures that
+apply to its experiment (recovery: the trajectory of the first seed and per-phase accuracy bars;
+main and others: per-phase accuracy bars; a scaling run: the scaling plot) and writes report.md
+beside them: the summary tables, the figures, the config and the commands that reproduce the run.
+Experiments call `write_report(run_dir)` at the end of a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+import polars as pl
+import tyro
+
+from meshheal_jax import plots, runner
+from meshheal_jax.cli import entrypoint, fmt, fmt_range
+from meshheal_jax.config import ProtocolParams
+from meshheal_jax.errors import MeshHealError
+
+REPORT_NAME = "report.md"
+PHASES_PNG = "phase_accuracy.png"
+SCALING_PNG = "scaling.png"
+STATE_CHANGES_SHOWN = 400  # rows of the state-change table before it is cut (the parquet has all)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    run_dir: tyro.conf.Positional[Path]
+    """run folder written by an experiment (holds config.json, summary.json and the parquet tables)"""
+
+
+@dataclasses.dataclass
+class RunFolder:
+    """A finished run as the report reads it."""
+
+    path: Path
+    config: dict  # config.json
+    summary: dict  # summary.json
+    tasks: pl.DataFrame
+    reviews: pl.DataFrame | None  # read only where a figure needs them
+    states: pl.DataFrame | None
+
+    @property
+    def experiment(self) -> dict:
+        return self.config.get("experiment", {})
+
+    @property
+    def name(self) -> str:
+        return str(self.experiment.get("name") or self.summary.get("experiment") or "run")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MeshHealError(f"{path.parent} has no {path.name} ({what})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MeshHealError(f"{path} is not valid JSON") from None
+
+
+def _read_table(run_dir: Path, name: str) -> pl.DataFrame:
+    path = run_dir / f"{name}.parquet"
+    if not path.is_file():
+        raise MeshHealError(f"{run_dir} has no {name}.parquet (the run did not finish; re-run its command to resume)")
+    try:
+        return pl.read_parquet(path)
+    except Exception as err:  # polars raises several types for a damaged file
+        raise MeshHealError(f"{path} is not a readable parquet file: {type(err).__name__}") from None
+
+
+def load_run(run_dir: Path | str) -> RunFolder:
+    """Read a run folder; a missing or foreign folder is a MeshHealError naming what is wrong."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise MeshHealError(f"run folder {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise MeshHealError(f"{run_dir} is not a folder")
+    if not (run_dir / "config.json").is_file():
+        raise MeshHealError(f"{run_dir} is not a run folder (no config.json)")
+    config = _read_json(run_dir / "config.json", "the run's configuration")
+    if not isinstance(config, dict) or not config.get(runner.RUN_MARKER):
+        raise MeshHealError(f"{run_dir} is not a run folder (config.json has no {runner.RUN_MARKER!r} marker)")
+    summary = _read_json(run_dir / "summary.json", "the run did not finish; re-run its command to resume")
+    name = str(config.get("experiment", {}).get("name") or summary.get("experiment"))
+    needs_records = name == "recovery"
+    return RunFolder(
+        path=run_dir, config=config, summary=summary, tasks=_read_table(run_dir, "tasks"),
+        reviews=_read_table(run_dir, "reviews") if needs_records else None,
+        states=_read_table(run_dir, "states") if needs_records else None,
+    )  # fmt: skip
+
+
+def experiment_from_config(experiment: dict) -> runner.Experiment:
+    """config.json's "experiment" block -> the runner.Experiment it was written from."""
+    known = {f.name for f in dataclasses.fields(runner.Experiment)}
+    fields = {k: v for k, v in experiment.items() if k in known}
+    for key in ("datasets", "pairs", "seeds", "degraded"):
+        if key in fields:
+            fields[key] = tuple(fields[key])
+    for key in ("profiles_dir", "params_dir"):
+        if fields.get(key) is not None:
+            fields[key] = Path(fields[key])
+    protocol_known = {f.name for f in dataclasses.fields(ProtocolParams)}
+    fields["protocol"] = ProtocolParams(**{k: v for k, v in experiment.get("protocol", {}).items() if k in protocol_known})
+    try:
+        return runner.Experiment(**fields)
+    except TypeError as err:
+        raise MeshHealError(f"config.json's experiment block does not describe a run: {err}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures
+# ----------------------------------------------------------------------------------------------
+
+
+def _phase_names(summary: dict) -> list[str] | None:
+    for result in summary.get("results", []):
+        if result.get("phases"):
+            return [ph["name"] for ph in result["phases"]]
+    return None
+
+
+def scaling_entries(summary: dict) -> list[dict]:
+    """Entries for plots.scaling_plot: results that carry n_agents and topology, or the whole
+    summary as one entry when n_agents/topology are top-level (one network size per run)."""
+    results = summary.get("results", [])
+    entries = [r for r in results if "n_agents" in r and "topology" in r]
+    if entries:
+        return entries
+    if "n_agents" in summary and "topology" in summary:
+        return [{"n_agents": summary["n_agents"], "topology": summary["topology"], **r} for r in results]
+    return []
+
+
+def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
+    """Redraw the figures that apply to this run: [(caption, path)]."""
+    figures: list[tuple[str, Path]] = []
+    exp = run.experiment
+    if run.name == "recovery" and run.reviews is not None and run.states is not None:
+        schedule = experiment_from_config(exp).schedule()
+        seed = int(exp["seeds"][0])
+        dataset, pair = exp["datasets"][0], exp["pairs"][0]
+        path = plots.recovery_trajectory(
+            run.reviews, run.states, run.tasks, schedule, seed, run.path / f"trajectory_seed{seed}.png",
+            phase_names=_phase_names(run.summary), dataset=dataset, pair=pair,
+            method=exp.get("method"),
+        )  # fmt: skip
+        figures.append((f"Recovery trajectory, seed {seed} ({dataset}, pair {pair})", path))
+    if run.tasks.height and "phase" in run.tasks.columns:
+        path = plots.phase_accuracy_bars(run.tasks, run.path / PHASES_PNG, _phase_names(run.summary))
+        figures.append(("Accuracy per phase", path))
+    entries = scaling_entries(run.summary)
+    if entries:
+        figures.append(("Network scaling", plots.scaling_plot(entries, run.path / SCALING_PNG)))
+    return figures
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables (markdown, from summary.json; the same numbers the CLIs print)
+# ----------------------------------------------------------------------------------------------
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    def cell(text: object) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _labels(r: dict) -> list[str]:
+    return [str(r.get("method", "")), str(r.get("dataset", "")), str(r.get("pair", ""))]
+
+
+def results_table(summary: dict) -> str:
+    rows = []
+    for r in summary.get("results", []):
+        if "acc_healthy" not in r:
+            continue
+        rows.append([
+            *_labels(r), fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), fmt(r["phase_change"]),
+            fmt(r["calls_per_task_healthy"], 1), fmt(r["calls_per_task_degraded"], 1),
+            fmt(r["tokens_per_task_healthy"], 1, 1e-3), fmt(r["tokens_per_task_degraded"], 1, 1e-3),
+            fmt(r.get("missed"), 2), fmt(r.get("false_isolations"), 2),
+        ])  # fmt: skip
+    headers = ("method", "dataset", "pair", "acc H", "acc D", "D − H", "calls H", "calls D", "tokens H (k)",
+               "tokens D (k)", "missed", "false isolations")  # fmt: skip
+    return md_table(headers, rows) if rows else ""
+
+
+def phases_table(summary: dict) -> str:
+    rows = []
+    n_tasks = summary.get("n_tasks")
+    for r in summary.get("results", []):
+        phases = r.get("phases") or []
+        for k, ph in enumerate(phases):
+            span = f"{k * n_tasks // len(phases) + 1}–{(k + 1) * n_tasks // len(phases)}" if n_tasks else ""
+            rows.append([*_labels(r), ph["name"], span, fmt(ph["acc"]), fmt(ph["calls_per_task"], 1),
+                         fmt(ph["tokens_per_task"], 1, 1e-3)])  # fmt: skip
+    headers = ("method", "dataset", "pair", "phase", "tasks", "accuracy", "calls/task", "tokens/task (k)")
+    return md_table(headers, rows) if rows else ""
+
+
+def agents_table(summary: dict) -> str:
+    rows = []
+    n_tasks = summary.get("n_tasks")
+    for r in summary.get("results", []):
+        for a in r.get("agents") or []:
+            end = a["recovered_at"] - 1 if a.get("recovered_at") else n_tasks
+            reintegration = fmt_range(a["reintegration_delay"]) if a.get("recovered_at") else "— (never restored)"
+            rows.append([
+                *_labels(r), f"{a.get('profile', '')} (agent {a['agent']})", f"{a['degraded_at']}–{end}",
+                fmt_range(a["detection_delay"]), f"{a['closure_seeds']}/{len(r['seeds'])}", reintegration,
+            ])  # fmt: skip
+    headers = ("method", "dataset", "pair", "agent", "degraded tasks", "detection delay", "closure seeds",
+               "reintegration delay")  # fmt: skip
+    return md_table(headers, rows) if rows else ""
+
+
+SCALE_COLUMNS = (  # (key, header, digits, scale) in the order the scaling table shows them
+    ("acc_h", "acc H", 3, 1.0), ("acc_healthy", "acc H", 3, 1.0), ("acc_d", "acc D", 3, 1.0),
+    ("acc_degraded", "acc D", 3, 1.0), ("isolated_degraded", "isolated", 1, 1.0), ("n_degraded", "degraded", 0, 1.0),
+    ("false_isolations", "false isolations", 2, 1.0), ("edges", "edges", 0, 1.0),
+    ("edge_fraction", "edge fraction", 4, 1.0), ("max_ability_distance", "max ability distance", 0, 1.0),
+    ("tokens_per_task", "tokens/task (k)", 1, 1e-3),
+)  # fmt: skip
+
+
+def scaling_table(entries: list[dict]) -> str:
+    columns, seen = [], set()
+    for key, header, digits, scale in SCALE_COLUMNS:
+        if header not in seen and any(key in e for e in entries):
+            columns.append((key, header, digits, scale))
+            seen.add(header)
+
+    def show(value: object, digits: int, scale: float) -> str:
+        if isinstance(value, dict):
+            return fmt(value, digits, scale)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return f"{value * scale:.{digits}f}"
+        return "—" if value is None else str(value)
+
+    rows = [[str(e["n_agents"]), str(e["topology"]), *(show(e.get(k), d, s) for k, _, d, s in columns)]
+            for e in sorted(entries, key=lambda e: (str(e["topology"]), int(e["n_agents"])))]  # fmt: skip
+    return md_table(["agents", "topology", *(h for _, h, _, _ in columns)], rows)
+
+
+def state_changes_table(states: pl.DataFrame, seed: int, dataset: str, pair: str) -> tuple[str, int]:
+    changes = states.filter((pl.col("seed") == seed) & (pl.col("dataset") == dataset) & (pl.col("pair") == pair))
+    rows = []
+    for row in changes.head(STATE_CHANGES_SHOWN).iter_rows(named=True):
+        z = "—" if row["z"] is None else f"{row['z']:.2f}"
+        rows.append([str(row["t"]), plots.agent_label(row["agent"]), row["from"], row["to"], z, row["reason"],
+                     "yes" if row["probe"] else "", "yes" if row["degraded"] else ""])  # fmt: skip
+    headers = ("t", "agent", "from", "to", "z", "reason", "probe", "degraded")
+    return md_table(headers, rows), changes.height
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands that reproduce the run
+# ----------------------------------------------------------------------------------------------
+
+
+def _seed_flags(seeds: Sequence[int]) -> list[str]:
+    seeds = [int(s) for s in seeds]
+    if seeds == list(range(len(seeds))):
+        return ["--seeds", str(len(seeds))]
+    return ["--seed-list", *map(str, seeds)]
+
+
+def _common_flags(exp: dict, pair: str) -> list[str]:
+    flags = [*_seed_flags(exp.get("seeds", [0])), "--pair", pair]
+    for key, flag in (("engine", "--engine"), ("slots", "--slots")):
+        if key in exp:
+            flags += [flag, str(exp[key])]
+    for key, flag in (("profiles_dir", "--profiles-dir"), ("params_dir", "--params-dir")):
+        if exp.get(key) is not None:
+            flags += [flag, str(exp[key])]
+    defaults = dataclasses.asdict(ProtocolParams())
+    for key, value in (exp.get("protocol") or {}).items():
+        if key in defaults and value != defaults[key]:
+            flags += [f"--protocol.{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+def reproduce_commands(config: dict, run_dir: Path | None = None) -> list[str]:
+    """Shell commands that re-run the experiment of config.json (one per pair, and per dataset
+    where the CLI takes one), then regenerate this report. A config carrying "argv" (the
+    command-line arguments the run was started with) is reproduced from it verbatim."""
+    exp = config.get("experiment", {})
+    name = str(exp.get("name", "main"))
+    module = f"python -m meshheal_jax.{name}"
+    commands = []
+    if config.get("argv"):
+        commands.append(shlex.join([*module.split(), *map(str, config["argv"])]))
+    elif name == "main":
+        for pair in exp.get("pairs", ["default"]):
+            flags = [*_common_flags(exp, pair), "--datasets", *exp.get("datasets", []), "--tasks",
+                     str(exp.get("n_tasks", 504)), "--degraded", *map(str, exp.get("degraded", []))]  # fmt: skip
+            commands.append(shlex.join([*module.split(), *flags]))
+    elif name == "recovery":
+        for pair in exp.get("pairs", ["default"]):
+            for dataset in exp.get("datasets", ["math"]):
+                flags = [*_common_flags(exp, pair), "--dataset", dataset, "--tasks", str(exp.get("n_tasks", 630))]
+                commands.append(shlex.join([*module.split(), *flags]))
+    else:  # other experiments: the shared flags, plus the network size and graph of a scaling run
+        for pair in exp.get("pairs", ["default"]):
+            flags = _common_flags(exp, pair)
+            if name == "scale" and "n_agents" in exp:
+                flags += ["--agents", str(exp["n_agents"])]
+                if exp.get("sparse") or exp.get("topology") == "sparse":
+                    flags.append("--sparse")
+            commands.append(shlex.join([*module.split(), *flags]))
+    target = "RUN_DIR" if run_dir is None else str(run_dir)
+    commands.append(shlex.join(["python", "-m", "meshheal_jax.report", target]))
+    return commands
+
+
+# ----------------------------------------------------------------------------------------------
+# report.md
+# ----------------------------------------------------------------------------------------------
+
+
+def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
+    config, summary, exp = run.config, run.summary, run.experiment
+    lines = [f"# MeshHeal run: {run.name} ({run.path.name})", ""]
+    facts = [
+        f"engine {summary.get('engine', exp.get('engine', '?'))}",
+        f"backend {summary.get('backend', exp.get('backend', '?'))}",
+        f"{summary.get('n_agents', exp.get('n_agents', '?'))} agents",
+        f"{summary.get('n_tasks', exp.get('n_tasks', '?'))} tasks per stream",
+        f"seeds {', '.join(map(str, exp.get('seeds', [])))}",
+        f"created {config.get('created', '?')}",
+        f"git revision {config.get('git_revision') or 'unknown'}",
+    ]  # fmt: skip
+    lines += ["; ".join(facts) + ".", "",
+              "Numbers are mean ± sample std over seeds; delays are mean ± std (min–max) with n = seeds where "
+              "the event happened (“never” where it did not).", ""]  # fmt: skip
+
+    sections = []
+    entries = scaling_entries(summary)
+    if entries:
+        sections.append(("Network scaling", scaling_table(entries)))
+    table = results_table(summary)
+    if table:
+        sections.append(("Accuracy, calls and tokens",
+                         "H: tasks with no agent degraded; D: tasks with some agent degraded; D − H is paired "
+                         "within seed; tokens in thousands per task.\n\n" + table))  # fmt: skip
+    if any(len(r.get("phases") or []) > 2 for r in summary.get("results", [])):
+        sections.append(("Per phase", phases_table(summary)))
+    table = agents_table(summary)
+    if table:
+        sections.append(("Self-healing per degraded agent",
+                         "Detection delay: tasks from degradation to the first isolation; closure: seeds where "
+                         "the agent stays isolated to the end of its degradation; reintegration delay: tasks "
+                         "from restoration to the start of its final run in state normal.\n\n" + table))  # fmt: skip
+    for title, body in sections:
+        lines += [f"## {title}", "", body, ""]
+
+    if figures:
+        lines += ["## Figures", ""]
+        for caption, path in figures:
+            lines += [f"### {caption}", "", f"![{caption}]({path.relative_to(run.path).as_posix()})", ""]
+
+    if run.name == "recovery" and run.states is not None and exp.get("seeds"):
+        seed, dataset, pair = int(exp["seeds"][0]), exp["datasets"][0], exp["pairs"][0]
+        table, n = state_changes_table(run.states, seed, dataset, pair)
+        cut = f" (first {STATE_CHANGES_SHOWN} of {n}; all in states.parquet)" if n > STATE_CHANGES_SHOWN else ""
+        lines += [f"## State changes, seed {seed} ({dataset}, pair {pair})", "",
+                  f"<details><summary>{n} state changes{cut}</summary>", "", table, "", "</details>", ""]  # fmt: skip
+
+    lines += ["## Reproduce", "",
+              "Re-run the experiment (a new run folder under `runs/`; add `--out DIR` to choose it), then "
+              "regenerate this report:", "", "```bash", *reproduce_commands(config, run.path), "```", ""]  # fmt: skip
+    lines += ["## Files", "", "- `config.json`: the resolved configuration (below)",
+              "- `summary.json`: every statistic of the tables above",
+              "- `tasks.parquet`, `reviews.parquet`, `states.parquet`, `calls.parquet`: one row per task, "
+              "reviewed output, state change and model call (every seed)", ""]  # fmt: skip
+    lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path | str) -> Path:
+    """Redraw the run's figures and write report.md in the run folder; returns its path."""
+    run = load_run(run_dir)
+    figures = make_plots(run)
+    path = run.path / REPORT_NAME
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(render(run, figures))
+    tmp.replace(path)
+    return path
+
+
+def body(cfg: ReportConfig) -> None:
+    path = write_report(cfg.run_dir)
+    print(f"report: {path}")
+
+
+def cli() -> None:
+    entrypoint(ReportConfig, body, __doc__)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,624 @@
+"""The live client (meshheal_jax.backends.live) and its response cache, against a SCRIPTED
+STAND-IN for a vLLM server: a tiny HTTP/1.1 server started in-process on 127.0.0.1 that answers
+`/v1/models` and `/v1/chat/completions` in the OpenAI format with replies decided by each test.
+Real sockets and the real openai SDK; no model, no GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("pydantic")
+
+from meshheal_jax import prompts  # noqa: E402
+from meshheal_jax.backends.cache import ResponseCache, cache_key  # noqa: E402
+from meshheal_jax.backends.live import (  # noqa: E402
+    PARSE_FAILED,
+    PARSE_OK,
+    PARSE_RETRIED,
+    RETRY_SEED_OFFSET,
+    CallRequest,
+    LiveClient,
+    RequestRejectedError,
+    RetryPolicy,
+    ServerGroup,
+    ServerUnavailableError,
+    SyncLiveClient,
+    request_seed,
+    trace_rows,
+)
+from meshheal_jax.errors import MeshHealError  # noqa: E402
+
+STRONG_ROOT = "openai/gpt-oss-120b"
+WEAK_ROOT = "meta-llama/Llama-3.2-1B-Instruct"
+FAST_RETRY = RetryPolicy(max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05, connect_timeout_s=2.0,
+                         request_timeout_s=10.0)
+PROMPT_TOKENS = 40
+COMPLETION_TOKENS = 7
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+
+
+def good_review(score: float = 1.0) -> str:
+    return json.dumps({
+        "half_correct": score, "in_scope": True, "normal_working_score": score, "confidence": "high",
+        "specific_failure_found": score <= 0.25, "failure_type": "wrong_half" if score <= 0.25 else "none",
+        "failure_evidence": "x = 3" if score <= 0.25 else "", "one_sentence_reason": "checked",
+    })
+
+
+# ----------------------------------------------------------------------------------------------
+# The scripted stand-in server
+
+
+@dataclasses.dataclass
+class Reply:
+    """What the stand-in answers to one chat request."""
+
+    status: int = 200
+    contents: Sequence[str | None] | None = None  # one per choice; None: n copies of the default
+    finish_reason: str = "stop"
+    headers: dict = dataclasses.field(default_factory=dict)
+    delay_s: float = 0.0
+    honour_n: bool = True  # False: one choice whatever n says (as some servers do)
+
+
+def default_script(body: dict, index: int) -> Reply:
+    if body.get("response_format"):
+        return Reply(contents=None)
+    return Reply(contents=None)
+
+
+class ScriptedServer:
+    """A scripted stand-in for a vLLM server (NOT vLLM): OpenAI-format JSON over real HTTP.
+
+    script(body, index) -> Reply decides each chat completion; `index` counts chat requests.
+    die_after: after answering that many chat requests the server closes its socket and drops
+    every open connection, in-flight requests included (a server dying mid-batch).
+    """
+
+    def __init__(
+        self,
+        script: Callable[[dict, int], Reply] = default_script,
+        served: Sequence[str] = ("strong",),
+        root: str = STRONG_ROOT,
+        delay_s: float = 0.0,
+        die_after: int | None = None,
+    ) -> None:
+        self.script, self.served, self.root = script, tuple(served), root
+        self.delay_s, self.die_after = delay_s, die_after
+        self.chats: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.dead = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, port: int = 0) -> ScriptedServer:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def stop(self) -> None:
+        self.dead = True
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def __aenter__(self) -> ScriptedServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while not self.dead:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        name, value = line.split(":", 1)
+                        headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                status, extra, payload = await self._route(method, path, body)
+                if self.dead:
+                    break
+                data = json.dumps(payload).encode()
+                head_out = f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\n"
+                head_out += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                head_out += "".join(f"{k}: {v}\r\n" for k, v in extra.items()) + "\r\n"
+                writer.write(head_out.encode() + data)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict, dict]:
+        if method == "GET" and path == "/v1/models":
+            data = [{"id": name, "object": "model", "owned_by": "stand-in", "root": self.root} for name in self.served]
+            return 200, {}, {"object": "list", "data": data}
+        if method == "GET" and path == "/health":
+            return 200, {}, {}
+        if method != "POST" or path != "/v1/chat/completions":
+            return 404, {}, {"error": {"message": f"no route {path}"}}
+        request = json.loads(body)
+        index = len(self.chats)
+        if self.die_after is not None and index >= self.die_after:
+            await self.stop()
+            return 500, {}, {}
+        self.chats.append(request)
+        reply = self.script(request, index)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s + reply.delay_s)
+        finally:
+            self.in_flight -= 1
+        if reply.status != 200:
+            return reply.status, reply.headers, {"error": {"message": f"scripted {reply.status}", "code": reply.status}}
+        if request["model"] not in self.served:
+            return 404, {}, {"error": {"message": f"model {request['model']} does not exist"}}
+        n = int(request.get("n") or 1)
+        contents = list(reply.contents) if reply.contents is not None else [self._default(request)] * n
+        if not reply.honour_n:
+            contents = contents[:1]
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": c}, "finish_reason": reply.finish_reason}
+            for i, c in enumerate(contents)
+        ]
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS * len(choices),
+                 "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS * len(choices)}
+        return 200, {}, {"id": f"chatcmpl-{index}", "object": "chat.completion", "created": 0,
+                         "model": request["model"], "choices": choices, "usage": usage}
+
+    @staticmethod
+    def _default(request: dict) -> str:
+        if request.get("response_format"):
+            return good_review(1.0)
+        return f"COMPETENCE_MATCH:yes\nWorked it out (seed {request.get('seed')}).\nRESULT: (A)"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def gen_request(i: int, role: str = "strong", **kw) -> CallRequest:
+    fields = dict(
+        stream=0, t=i, call_id=0, kind="generate", role=role,
+        messages=[{"role": "user", "content": f"question {i}"}],
+        seed=request_seed(7, 0, i, 0), max_completion_tokens=256,
+        parser=prompts.execution_parser("bbh"),
+    )
+    fields.update(kw)
+    return CallRequest(**fields)
+
+
+def review_request(i: int, n: int = 3, **kw) -> CallRequest:
+    fields = dict(
+        kind="review", n=n, parser=prompts.review_parser("contribute"),
+        response_format=prompts.review_response_format("contribute"),
+        messages=[{"role": "user", "content": f"review {i}"}], seed=request_seed(7, 0, i, 1),
+    )
+    fields.update(kw)
+    return gen_request(i, **fields)
+
+
+def strong(*servers: ScriptedServer, **kw) -> ServerGroup:
+    return ServerGroup("strong", tuple(s.base_url for s in servers), **kw)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=45))
+
+
+# ----------------------------------------------------------------------------------------------
+# Concurrency and round-robin
+
+
+def test_round_sent_concurrently_and_capped_by_semaphore():
+    async def scenario():
+        async with ScriptedServer(delay_s=0.05) as server:
+            async with LiveClient([strong(server, max_in_flight=4)], retry=FAST_RETRY) as client:
+                responses = await client.run_batch([gen_request(i) for i in range(24)])
+                stats = client.server_stats()[0]
+            assert 1 < server.max_in_flight <= 4 and stats.max_in_flight == 4
+            assert len(responses) == 24 and all(r.parse_status == (PARSE_OK,) for r in responses)
+            assert [r.parsed[0].answer for r in responses] == ["(A)"] * 24
+
+        async with ScriptedServer(delay_s=0.1) as server:  # a semaphore above the round: all at once
+            async with LiveClient([strong(server, max_in_flight=64)], retry=FAST_RETRY) as client:
+                started = time.monotonic()
+                await client.run_batch([gen_request(i) for i in range(24)])
+                elapsed = time.monotonic() - started
+            assert server.max_in_flight == 24 and elapsed < 2.0
+
+    run(scenario())
+
+
+def test_round_robin_over_two_urls():
+    async def scenario():
+        async with ScriptedServer() as one, ScriptedServer() as two:
+            async with LiveClient([strong(one, two)], retry=FAST_RETRY) as client:
+                await client.run_batch([gen_request(i) for i in range(10)])
+            assert len(one.chats) == 5 and len(two.chats) == 5
+
+    run(scenario())
+
+
+def test_roles_go_to_their_own_servers_with_served_names():
+    async def scenario():
+        async with ScriptedServer() as big, ScriptedServer(served=("weak",), root=WEAK_ROOT) as small:
+            groups = [strong(big), ServerGroup("weak", (small.base_url.removesuffix("/v1"),))]
+            async with LiveClient(groups, retry=FAST_RETRY) as client:
+                out = await client.run_batch([gen_request(0), gen_request(1, role="weak")])
+                assert client.model_ids == {"strong": STRONG_ROOT, "weak": WEAK_ROOT}
+            assert [c["model"] for c in big.chats] == ["strong"] and [c["model"] for c in small.chats] == ["weak"]
+            assert out[0].model_id == STRONG_ROOT and out[1].model_id == WEAK_ROOT
+            # reasoning_effort goes to gpt-oss only; max_completion_tokens and seed always
+            assert big.chats[0]["reasoning_effort"] == "medium" and "reasoning_effort" not in small.chats[0]
+            assert big.chats[0]["max_completion_tokens"] == 256 and "max_tokens" not in big.chats[0]
+            assert big.chats[0]["seed"] == request_seed(7, 0, 0, 0)
+
+    run(scenario())
+
+
+# ----------------------------------------------------------------------------------------------
+# Retries
+
+
+def test_retry_on_429_honours_retry_after():
+    def script(body, index):
+        return Reply(status=429, headers={"Retry-After": "1"}) if index == 0 else Reply()
+
+    async def scenario():
+        async with ScriptedServer(script) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                started = time.monotonic()
+                (response,) = await client.run_batch([gen_request(0)])
+                elapsed = time.monotonic() - started
+            assert response.retries == 1 and response.parse_status == (PARSE_OK,)
+            assert len(server.chats) == 2 and elapsed >= 0.95  # waited the Retry-After, not the 10 ms backoff
+
+    run(scenario())
+
+
+def test_retry_on_5xx_then_success():
+    def script(body, index):
+        return Reply(status=503 if index < 2 else 200)
+
+    async def scenario():
+        async with ScriptedServer(script) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                (response,) = await client.run_batch([gen_request(0)])
+                assert client.stats.transport_retries == 2
+            assert response.retries == 2 and len(server.chats) == 3
+
+    run(scenario())
+
+
+def test_5xx_storm_is_bounded():
+    async def scenario():
+        async with ScriptedServer(lambda body, index: Reply(status=500)) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                with pytest.raises(ServerUnavailableError, match=r"failed 4 attempts.*HTTP 500"):
+                    await client.run_batch([gen_request(0)])
+            assert len(server.chats) == FAST_RETRY.max_retries + 1
+
+    run(scenario())
+
+
+def test_no_retry_on_400():
+    async def scenario():
+        async with ScriptedServer(lambda body, index: Reply(status=400)) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                with pytest.raises(RequestRejectedError, match="HTTP 400"):
+                    await client.run_batch([gen_request(0)])
+            assert len(server.chats) == 1
+
+    run(scenario())
+
+
+# ----------------------------------------------------------------------------------------------
+# n = 3, seeds, tokens
+
+
+def test_n3_in_one_request_counts_prompt_three_times():
+    async def scenario():
+        async with ScriptedServer() as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                (response,) = await client.run_batch([review_request(0)])
+                stats = client.stats
+            assert len(server.chats) == 1 and server.chats[0]["n"] == 3
+            assert server.chats[0]["response_format"]["type"] == "json_schema"
+            assert response.scores == (1.0, 1.0, 1.0) and response.parse_status == (PARSE_OK,) * 3
+            assert response.prompt_tokens == 3 * PROMPT_TOKENS
+            assert response.prefix_shared_tokens == 2 * PROMPT_TOKENS
+            assert response.completion_tokens == 3 * COMPLETION_TOKENS
+            assert (stats.prompt_tokens, stats.completion_tokens) == (3 * PROMPT_TOKENS, 3 * COMPLETION_TOKENS)
+
+    run(scenario())
+
+
+def test_n3_fallback_when_server_returns_fewer_choices():
+    async def scenario():
+        async with ScriptedServer(lambda body, index: Reply(honour_n=False)) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                request = review_request(0)
+                (response,) = await client.run_batch([request])
+                assert client.stats.n_fallback_calls == 2
+            assert [c["n"] for c in server.chats] == [3, 1, 1]
+            assert sorted(c["seed"] for c in server.chats[1:]) == [request.seed + 1, request.seed + 2]
+            assert len(response.texts) == 3 and response.scores == (1.0, 1.0, 1.0)
+            assert response.http_calls == 3
+            assert response.prompt_tokens == 3 * PROMPT_TOKENS and response.prefix_shared_tokens == 0
+            assert response.completion_tokens == 3 * COMPLETION_TOKENS
+
+    run(scenario())
+
+
+def test_request_seeds_are_spaced_by_n():
+    seeds = {request_seed(s, d, t, c) for s in range(3) for d in range(3) for t in range(20) for c in range(12)}
+    assert len(seeds) == 3 * 3 * 20 * 12
+    assert all(seed % 4 == 0 and 0 <= seed < 2**50 for seed in seeds)
+    assert request_seed(1, 0, 5, 2) == request_seed(1, 0, 5, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parse failures
+
+
+def test_parse_failure_retried_with_new_seed():
+    base = review_request(0, n=1).seed
+
+    def script(body, index):
+        return Reply(contents=["I think it is fine!"]) if body["seed"] == base else Reply()
+
+    async def scenario():
+        async with ScriptedServer(script) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                (response,) = await client.run_batch([review_request(0, n=1)])
+            assert [c["seed"] for c in server.chats] == [base, base + RETRY_SEED_OFFSET]
+            assert response.parse_status == (PARSE_RETRIED,) and response.scores == (1.0,)
+            assert response.parse_retries == 1
+            assert response.prompt_tokens == 2 * PROMPT_TOKENS  # the retry is real spend
+            assert response.completion_tokens == 2 * COMPLETION_TOKENS
+
+    run(scenario())
+
+
+def test_parse_failure_twice_gives_neutral_score():
+    def script(body, index):
+        return Reply(contents=["no json here"] * int(body.get("n", 1)))
+
+    async def scenario():
+        async with ScriptedServer(script) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                request = review_request(0, n=3)
+                (response,) = await client.run_batch([request])
+                assert client.stats.parse_failures == 3
+            retry_seeds = sorted(c["seed"] for c in server.chats[1:])
+            assert retry_seeds == [request.seed + i + RETRY_SEED_OFFSET for i in range(3)]
+            assert response.parse_status == (PARSE_FAILED,) * 3
+            assert response.scores == (0.5, 0.5, 0.5) and all(v.parse_failed for v in response.parsed)
+            assert response.prompt_tokens == 3 * PROMPT_TOKENS + 3 * PROMPT_TOKENS
+
+    run(scenario())
+
+
+def test_length_with_empty_content_is_retried():
+    def script(body, index):
+        if index == 0:
+            return Reply(contents=[""], finish_reason="length")
+        return Reply()
+
+    async def scenario():
+        async with ScriptedServer(script) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                (response,) = await client.run_batch([gen_request(0)])
+            assert len(server.chats) == 2 and server.chats[1]["seed"] == gen_request(0).seed + RETRY_SEED_OFFSET
+            assert response.parse_status == (PARSE_RETRIED,) and response.finish_reason == ("stop",)
+            assert response.parsed[0].answer == "(A)"
+
+    run(scenario())
+
+
+def test_length_with_content_is_kept():
+    async def scenario():
+        script = lambda body, index: Reply(contents=["COMPETENCE_MATCH:yes\nlong work with no answer"],  # noqa: E731
+                                           finish_reason="length")
+        async with ScriptedServer(script) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                (response,) = await client.run_batch([gen_request(0)])
+            assert len(server.chats) == 1 and response.parse_status == (PARSE_OK,)
+            assert response.parsed[0].answer is None and response.finish_reason == ("length",)
+
+    run(scenario())
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache and resume
+
+
+def test_repeated_batch_is_served_from_cache(tmp_path):
+    requests = [review_request(i) for i in range(3)] + [gen_request(i) for i in range(5)]
+
+    async def scenario():
+        async with ScriptedServer() as server:
+            with ResponseCache(tmp_path / "responses.sqlite") as cache:
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
+                    first = await client.run_batch(requests)
+                sent = len(server.chats)
+                assert sent == 8 and len(cache) == 8
+            with ResponseCache(tmp_path / "responses.sqlite") as cache:  # a new run, same cache file
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
+                    second = await client.run_batch(requests)
+                    assert client.stats.http_requests == 0 and client.stats.cache_hits == 8
+            assert len(server.chats) == sent  # nothing sent the second time
+            assert all(r.from_cache and r.http_calls == 0 for r in second)
+            assert [r.texts for r in first] == [r.texts for r in second]
+            assert [r.parsed for r in first] == [r.parsed for r in second]
+            assert [r.prompt_tokens for r in first] == [r.prompt_tokens for r in second]
+
+    run(scenario())
+
+
+def test_cache_key_uses_real_model_id_and_sampling():
+    messages = [{"role": "user", "content": "hi"}]
+    params = {"n": 1, "seed": 4, "temperature": 1.0}
+    key = cache_key(STRONG_ROOT, messages, params)
+    assert key == cache_key(STRONG_ROOT, [dict(m) for m in messages], dict(reversed(params.items())))
+    assert key != cache_key(WEAK_ROOT, messages, params)
+    assert key != cache_key(STRONG_ROOT, messages, {**params, "seed": 5})
+    assert key != cache_key(STRONG_ROOT, messages, {**params, "temperature": 0.5})
+    assert key != cache_key(STRONG_ROOT, [{"role": "user", "content": "hi!"}], params)
+    with pytest.raises(MeshHealError):
+        cache_key("", messages, params)
+
+
+def test_server_dying_mid_batch_keeps_received_responses(tmp_path):
+    requests = [gen_request(i) for i in range(12)]
+
+    async def scenario():
+        path = tmp_path / "responses.sqlite"
+        async with ScriptedServer(delay_s=0.02, die_after=5) as server:
+            with ResponseCache(path) as cache:
+                async with LiveClient([strong(server, max_in_flight=2)], cache=cache, retry=FAST_RETRY) as client:
+                    with pytest.raises(ServerUnavailableError) as info:
+                        await client.run_batch(requests)
+                kept = len(cache)
+        message = str(info.value)
+        assert server.base_url in message and "re-run to resume" in message and str(path) in message
+        assert 1 <= kept <= 5
+        # The server comes back on another port: the cache key has no URL, so the re-run resumes.
+        async with ScriptedServer() as revived:
+            with ResponseCache(path) as cache:
+                async with LiveClient([strong(revived)], cache=cache, retry=FAST_RETRY) as client:
+                    responses = await client.run_batch(requests)
+            assert len(revived.chats) == 12 - kept
+            assert sum(r.from_cache for r in responses) == kept
+            assert all(r.parsed[0].answer == "(A)" for r in responses)
+
+    run(scenario())
+
+
+def test_secrets_never_reach_the_cache(tmp_path, monkeypatch):
+    token, key = "hf_SuperSecretToken123", "sk-local-secret-987"
+    monkeypatch.setenv("HF_TOKEN", token)
+
+    async def scenario():
+        script = lambda body, index: Reply(contents=[f"my token is {token}\nRESULT: (A)"])  # noqa: E731
+        async with ScriptedServer(script) as server:
+            with ResponseCache(tmp_path / "c.sqlite", extra_secrets=[key]) as cache:
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY, api_key=key) as client:
+                    await client.run_batch([gen_request(0)])
+
+    run(scenario())
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert token.encode() not in raw and key.encode() not in raw
+    assert b"[redacted]" in raw
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up checks
+
+
+def test_unreachable_server_is_named():
+    url = f"http://127.0.0.1:{free_port()}/v1"
+
+    async def scenario():
+        with pytest.raises(MeshHealError, match=rf"strong server at {url} is unreachable"):
+            async with LiveClient([ServerGroup("strong", (url,))], retry=FAST_RETRY):
+                pass
+
+    run(scenario())
+
+
+def test_wrong_served_model_name():
+    async def scenario():
+        async with ScriptedServer(served=("llama",)) as server:
+            with pytest.raises(MeshHealError, match=r"serves \['llama'\], not 'strong'.*--served-model-name strong"):
+                async with LiveClient([strong(server)], retry=FAST_RETRY):
+                    pass
+
+    run(scenario())
+
+
+def test_configured_model_id_wins_and_unknown_role_is_refused():
+    async def scenario():
+        async with ScriptedServer(root="/models/local-copy") as server:
+            async with LiveClient([strong(server, model_id=STRONG_ROOT)], retry=FAST_RETRY) as client:
+                assert client.model_ids["strong"] == STRONG_ROOT
+                with pytest.raises(MeshHealError, match="no server configured"):
+                    await client.run_batch([gen_request(0, role="weak")])
+
+    run(scenario())
+
+
+def test_bad_requests_are_refused_before_sending():
+    with pytest.raises(MeshHealError, match="kind"):
+        gen_request(0, kind="chat")
+    with pytest.raises(MeshHealError, match="role"):
+        gen_request(0, role="medium")
+    with pytest.raises(MeshHealError, match="n = 9"):
+        gen_request(0, n=9)
+    with pytest.raises(MeshHealError, match="http"):
+        ServerGroup("strong", ("localhost:8000",))
+
+
+# ----------------------------------------------------------------------------------------------
+# Synchronous host loop and traces
+
+
+def test_sync_client_and_trace_rows():
+    loop = asyncio.new_event_loop()
+    server = ScriptedServer()
+    ready = threading.Event()
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        requests = [review_request(0), gen_request(1)]
+        with SyncLiveClient([strong(server)], retry=FAST_RETRY) as client:
+            first = client.run_batch(requests)
+            second = client.run_batch(requests)  # the same long-lived connections, a second round
+        assert [r.texts for r in first] == [r.texts for r in second]
+        rows = trace_rows(requests, first)
+        assert rows[0]["kind"] == "review" and rows[0]["scores"] == [1.0, 1.0, 1.0]
+        assert rows[1]["answers"] == ["(A)"] and rows[1]["model_id"] == STRONG_ROOT
+        assert rows[0]["prompt_tokens"] == 3 * PROMPT_TOKENS
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
