@@ -436,7 +436,7 @@ def next_state(p: Params, state, consecutive, z):
 def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
     """Record author i's final score q for (task_type, s) at task t when `evidence` (else the
     network is returned unchanged). Touches only i's cells and i's neighbours' rows."""
-    nb, valid, nbc = neighbours_of(world, i)
+    _, valid, nbc = neighbours_of(world, i)
     normal = valid & (net.state[nbc] == NORMAL)
     w = net.scores.shape[-1]
     peer_counts = net.score_count[nbc, task_type, s]  # (K,)

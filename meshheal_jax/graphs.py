@@ -126,14 +126,14 @@ def _check_agents(holds: np.ndarray, degraded: np.ndarray) -> tuple[np.ndarray, 
     return holds.astype(bool), degraded.astype(bool)
 
 
-def _canonical(pairs: np.ndarray) -> np.ndarray:
+def canonical(pairs: np.ndarray) -> np.ndarray:
     """Rows (min, max), sorted lexicographically, duplicates dropped; int32."""
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     pairs = np.sort(pairs, axis=1)
     return np.unique(pairs, axis=0).astype(np.int32).reshape(-1, 2)
 
 
-def _csr(edges: np.ndarray, n_agents: int, keep: np.ndarray | None = None) -> scipy.sparse.csr_matrix:
+def csr(edges: np.ndarray, n_agents: int, keep: np.ndarray | None = None) -> scipy.sparse.csr_matrix:
     """Symmetric 0/1 CSR matrix of the edges (only those with ``keep`` True, when given)."""
     if keep is not None:
         edges = edges[keep]
@@ -177,7 +177,7 @@ def edges_from_neighbour_table(table: np.ndarray) -> Edges:
     table = np.asarray(table)
     src = np.repeat(np.arange(table.shape[0]), table.shape[1]).reshape(table.shape)
     keep = (table >= 0) & (src < table)
-    return _canonical(np.stack([src[keep], table[keep]], axis=1))
+    return canonical(np.stack([src[keep], table[keep]], axis=1))
 
 
 def adjacency_from_edges(edges: Edges, n_agents: int) -> np.ndarray:
@@ -229,7 +229,7 @@ def ability_distances(holds: np.ndarray, degraded: np.ndarray, edges: Edges) -> 
     if n == 0:
         return dist.astype(np.int32)
     both_healthy = healthy[edges[:, 0]] & healthy[edges[:, 1]]
-    graph = _csr(edges, n, both_healthy)
+    graph = csr(edges, n, both_healthy)
     for s in range(a):
         sources = np.flatnonzero(holds[:, s] & healthy)
         if sources.size == 0:
@@ -256,10 +256,10 @@ def healthy_neighbour_counts(holds: np.ndarray, degraded: np.ndarray, edges: Edg
     n = holds.shape[0]
     edges = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
     healthy_holds = (holds & ~degraded[:, None]).astype(np.int32)
-    return np.asarray(_csr(edges, n) @ healthy_holds)
+    return np.asarray(csr(edges, n) @ healthy_holds)
 
 
-def _check_structure(edges: np.ndarray, n: int) -> np.ndarray:
+def check_structure(edges: np.ndarray, n: int) -> np.ndarray:
     edges = np.asarray(edges)
     if edges.size == 0:
         edges = edges.reshape(0, 2)
@@ -303,9 +303,9 @@ def check_requirements(
     naming the first broken one with its agent and ability, else return the graph's stats."""
     holds, degraded = _check_agents(holds, degraded)
     n = holds.shape[0]
-    edges = _check_structure(edges, n)
+    edges = check_structure(edges, n)
     if n > 1:
-        n_parts, labels = scipy.sparse.csgraph.connected_components(_csr(edges, n), directed=False)
+        n_parts, labels = scipy.sparse.csgraph.connected_components(csr(edges, n), directed=False)
         if n_parts > 1:
             missing = int(np.flatnonzero(labels != labels[0])[0])
             raise MeshHealError(
@@ -435,7 +435,7 @@ def _healthy_components(builder: _Builder) -> tuple[int, np.ndarray]:
     edges = np.asarray(builder.edges, dtype=np.int64).reshape(-1, 2)
     healthy = builder.healthy
     keep = healthy[edges[:, 0]] & healthy[edges[:, 1]]
-    _, labels = scipy.sparse.csgraph.connected_components(_csr(edges, n, keep), directed=False)
+    _, labels = scipy.sparse.csgraph.connected_components(csr(edges, n, keep), directed=False)
     labels = np.where(healthy, labels, -1)
     # relabel healthy components 0..C-1 in order of their smallest member
     firsts = np.unique(labels[healthy], return_index=True)[1] if healthy.any() else np.zeros(0, np.int64)
@@ -514,7 +514,7 @@ def _repair(builder: _Builder, holds: np.ndarray, degraded: np.ndarray, hop_limi
     """Link each agent still too far from a healthy holder of some ability to the holder covering
     the most of those abilities (nearest first), until no such agent is left."""
     for _ in range(8):
-        edges = _canonical(np.asarray(builder.edges).reshape(-1, 2))
+        edges = canonical(np.asarray(builder.edges).reshape(-1, 2))
         far = ability_distances(holds, degraded, edges) > hop_limit
         rows = np.flatnonzero(far.any(axis=1))
         if rows.size == 0:
@@ -566,7 +566,7 @@ def sparse_edges(
     _backbone(builder, n_parts, labels)
     _chords(builder, labels, round(mean_degree * n / 2), rng)
     _repair(builder, holds, degraded, hop_limit)
-    edges = _canonical(np.asarray(builder.edges).reshape(-1, 2))
+    edges = canonical(np.asarray(builder.edges).reshape(-1, 2))
     check_requirements(holds, degraded, edges, hop_limit, ability_names)
     return edges
 
@@ -653,4 +653,4 @@ def load_edge_list(path: str | Path, n_agents: int) -> Edges:
         seen[pair] = place
     if not seen:
         return np.zeros((0, 2), dtype=np.int32)
-    return _canonical(np.array(list(seen), dtype=np.int64))
+    return canonical(np.array(list(seen), dtype=np.int64))

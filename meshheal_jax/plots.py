@@ -58,7 +58,9 @@ def _single(frame: pl.DataFrame, column: str, given: str | None, what: str) -> s
         return given
     values = frame[column].unique().to_list()
     if len(values) > 1:
-        raise MeshHealError(f"the frames hold several {what}s {sorted(values)}; pass {column}=... to pick one")
+        raise MeshHealError(
+            f"the frames hold several {what}s {sorted(values)}; pass {column}=... to pick one"
+        )
     return values[0]
 
 
@@ -86,7 +88,9 @@ def _rolling_by_task(t: np.ndarray, q: np.ndarray, n_tasks: int, window: int) ->
     return np.where(last >= 0, rolling[np.maximum(last, 0)], np.nan)
 
 
-def _peer_band(reviews: pl.DataFrame, agent: int, degraded_at: np.ndarray, n_tasks: int, window: int) -> np.ndarray:
+def _peer_band(
+    reviews: pl.DataFrame, agent: int, degraded_at: np.ndarray, n_tasks: int, window: int
+) -> np.ndarray:
     """(n_tasks, 2): 25th/75th percentile over the healthy peers of their rolling mean q at task t.
 
     A peer is any other agent not degraded at t (schedule) with at least one output up to t;
@@ -171,8 +175,16 @@ def recovery_trajectory(
     height = top_in + bottom_in + panel_in * n_panels
     ratios = [r for _ in degraded_agents for r in (4.0, 0.45, 1.05)][:-1]  # panel, strip, gap
     fig = _new_figure(13.0, height)
-    grid = fig.add_gridspec(len(ratios), 1, height_ratios=ratios, hspace=0.0, left=0.07, right=0.985,
-                            top=1 - top_in / height, bottom=bottom_in / height)  # fmt: skip
+    grid = fig.add_gridspec(
+        len(ratios),
+        1,
+        height_ratios=ratios,
+        hspace=0.0,
+        left=0.07,
+        right=0.985,
+        top=1 - top_in / height,
+        bottom=bottom_in / height,
+    )
     first_ax = strip = None
     for k, agent in enumerate(degraded_agents):
         ax = fig.add_subplot(grid[3 * k], sharex=first_ax)
@@ -184,16 +196,27 @@ def recovery_trajectory(
             for _, start in phase_starts[1:]:
                 axis.axvline(start - 0.5, color="0.3", lw=0.9, ls=":", zorder=1)
         band = _peer_band(reviews, agent, degraded_at, n_tasks, window)
-        ax.fill_between(t_axis, band[:, 0], band[:, 1], step="mid", color=PEER_BAND, alpha=0.45, lw=0, zorder=1)
+        ax.fill_between(
+            t_axis, band[:, 0], band[:, 1], step="mid", color=PEER_BAND, alpha=0.45, lw=0, zorder=1
+        )
         for edge in (band[:, 0], band[:, 1]):  # edges keep a zero-width band (all peers agree) visible
             ax.plot(t_axis, edge, drawstyle="steps-mid", color=PEER_BAND, lw=0.7, alpha=0.9, zorder=1)
         own = reviews.filter(pl.col("author") == agent).sort("t", "visit")
         for state in STATES:
             mine = own.filter(pl.col("state_after") == state)
             plain, probe = mine.filter(~pl.col("probe")), mine.filter(pl.col("probe"))
-            ax.scatter(plain["t"], plain["q_plot"], s=16, color=STATE_COLORS[state], lw=0, alpha=0.9, zorder=3)
-            ax.scatter(probe["t"], probe["q_plot"], s=44, facecolors="none", edgecolors=STATE_COLORS[state],
-                       lw=1.3, zorder=4)  # fmt: skip
+            ax.scatter(
+                plain["t"], plain["q_plot"], s=16, color=STATE_COLORS[state], lw=0, alpha=0.9, zorder=3
+            )
+            ax.scatter(
+                probe["t"],
+                probe["q_plot"],
+                s=44,
+                facecolors="none",
+                edgecolors=STATE_COLORS[state],
+                lw=1.3,
+                zorder=4,
+            )
         if own.height:
             t_own = own["t"].to_numpy()
             rolling = own["q"].rolling_mean(window_size=window, min_samples=1).to_numpy()
@@ -212,16 +235,26 @@ def recovery_trajectory(
         end_text = f"{end - 1}" if end <= n_tasks else f"{n_tasks} (end)"
         n_probes = int(own["probe"].sum()) if own.height else 0
         isolated_tasks = int((matrix[1:, agent] == "isolated").sum())
-        title = (f"{agent_label(agent)}: degraded in tasks {begin}–{end_text}; {own.height} reviewed outputs "
-                 f"({n_probes} probes); isolated at the end of {isolated_tasks} of {n_tasks} tasks")  # fmt: skip
+        title = (
+            f"{agent_label(agent)}: degraded in tasks {begin}–{end_text}; {own.height} reviewed outputs "
+            f"({n_probes} probes); isolated at the end of {isolated_tasks} of {n_tasks} tasks"
+        )
         has_names = phase_names is not None and len(phase_names) > 0
         ax.set_title(title, loc="left", fontsize=10, pad=15 if has_names else 5)
         if has_names:
             bounds = [t for _, t in phase_starts] + [n_tasks + 1]
             for (p, start), stop in zip(phase_starts, bounds[1:]):
                 if p < len(phase_names):
-                    ax.text((start + stop - 1) / 2, 1.012, phase_names[p], transform=ax.get_xaxis_transform(),
-                            ha="center", va="bottom", fontsize=8, color="0.3")  # fmt: skip
+                    ax.text(
+                        (start + stop - 1) / 2,
+                        1.012,
+                        phase_names[p],
+                        transform=ax.get_xaxis_transform(),
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                        color="0.3",
+                    )
         for start, length, state in _runs(matrix[1:, agent]):
             strip.broken_barh([(start + 0.5, length)], (0, 1), color=STATE_COLORS[state], lw=0, zorder=2)
         strip.set_ylim(0, 1)
@@ -236,22 +269,51 @@ def recovery_trajectory(
         Line2D([], [], ls="", marker="o", ms=5, color="0.35", label="reviewed output"),
         Line2D([], [], ls="", marker="o", ms=7, mfc="none", mec="0.35", mew=1.3, label="probe output"),
         Line2D([], [], color="black", lw=1.4, label=f"rolling mean q (last {window} outputs)"),
-        Patch(color=PEER_BAND, alpha=0.6, label=f"healthy peers' rolling mean q, 25–75%"),
+        Patch(color=PEER_BAND, alpha=0.6, label="healthy peers' rolling mean q, 25–75%"),
         Patch(color=DEGRADED_SHADE, alpha=0.4, label="degraded (schedule, ground truth)"),
         Line2D([], [], color="0.3", lw=0.9, ls=":", label="phase start"),
-    ]  # fmt: skip
+    ]
     where = ", ".join(f"{k} {v}" for k, v in labels.items() if v is not None)
-    fig.suptitle(f"Recovery trajectory, seed {seed}" + (f" ({where})" if where else ""),
-                 x=0.07, ha="left", y=1 - 0.1 / height, fontsize=12)  # fmt: skip
+    fig.suptitle(
+        f"Recovery trajectory, seed {seed}" + (f" ({where})" if where else ""),
+        x=0.07,
+        ha="left",
+        y=1 - 0.1 / height,
+        fontsize=12,
+    )
     legend_top = 1 - 0.45 / height
-    states_legend = fig.legend(handles=state_handles, loc="upper left", bbox_to_anchor=(0.065, legend_top),
-                               ncol=3, fontsize=8, frameon=False, title="state after the update (markers and strip)",
-                               title_fontsize=8, alignment="left", columnspacing=1.2, handletextpad=0.3)  # fmt: skip
+    states_legend = fig.legend(
+        handles=state_handles,
+        loc="upper left",
+        bbox_to_anchor=(0.065, legend_top),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+        title="state after the update (markers and strip)",
+        title_fontsize=8,
+        alignment="left",
+        columnspacing=1.2,
+        handletextpad=0.3,
+    )
     fig.add_artist(states_legend)
-    fig.legend(handles=other_handles, loc="upper left", bbox_to_anchor=(0.33, legend_top), ncol=3, fontsize=8,
-               frameon=False, columnspacing=1.5)  # fmt: skip
-    fig.text(0.985, 0.08 / height, f"markers jittered ±{SCORE_JITTER} in q; strip: state at the end of each task",
-             ha="right", va="bottom", fontsize=7, color="0.4")  # fmt: skip
+    fig.legend(
+        handles=other_handles,
+        loc="upper left",
+        bbox_to_anchor=(0.33, legend_top),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+        columnspacing=1.5,
+    )
+    fig.text(
+        0.985,
+        0.08 / height,
+        f"markers jittered ±{SCORE_JITTER} in q; strip: state at the end of each task",
+        ha="right",
+        va="bottom",
+        fontsize=7,
+        color="0.4",
+    )
     return _save(fig, path)
 
 
@@ -277,15 +339,19 @@ def phase_accuracy_bars(tasks: pl.DataFrame, path: Path | str, phases: Sequence[
         tasks.group_by("method", "dataset", "pair", "seed", "phase")
         .agg(pl.col("correct").cast(pl.Float64).mean().alias("acc"))
         .with_columns(
-            (pl.col("method") + " (" + pl.col("pair") + ")" if several_pairs else pl.col("method")).alias("group")
+            (pl.col("method") + " (" + pl.col("pair") + ")" if several_pairs else pl.col("method")).alias(
+                "group"
+            )
         )
-    )  # fmt: skip
+    )
     datasets = sorted(per_stream["dataset"].unique().to_list())
     panels = [(d, per_stream.filter(pl.col("dataset") == d)) for d in datasets]
     if len(datasets) > 1:
-        within_seed = per_stream.group_by("group", "seed", "phase").agg(
-            pl.col("acc").mean(), pl.col("dataset").n_unique().alias("n")
-        ).filter(pl.col("n") == len(datasets))  # fmt: skip
+        within_seed = (
+            per_stream.group_by("group", "seed", "phase")
+            .agg(pl.col("acc").mean(), pl.col("dataset").n_unique().alias("n"))
+            .filter(pl.col("n") == len(datasets))
+        )
         panels.append(("mean over datasets", within_seed))
     groups = sorted(per_stream["group"].unique().to_list(), key=lambda g: (not g.startswith("meshheal"), g))
     phase_ids = sorted(per_stream["phase"].unique().to_list())
@@ -309,13 +375,29 @@ def phase_accuracy_bars(tasks: pl.DataFrame, path: Path | str, phases: Sequence[
             offset = (g - (len(groups) - 1) / 2) * bar_width
             color = METHOD_COLORS[g % len(METHOD_COLORS)]
             errs = np.nan_to_num(np.asarray(stds), nan=0.0)
-            ax.bar(x + offset, means, bar_width * 0.92, color=color, label=group, zorder=2,
-                   yerr=errs if n_seeds > 1 else None, capsize=3, error_kw=dict(lw=1, ecolor="0.2"))  # fmt: skip
+            ax.bar(
+                x + offset,
+                means,
+                bar_width * 0.92,
+                color=color,
+                label=group,
+                zorder=2,
+                yerr=errs if n_seeds > 1 else None,
+                capsize=3,
+                error_kw={"lw": 1, "ecolor": "0.2"},
+            )
             if annotate:
                 for xi, m, s in zip(x + offset, means, errs):
                     if not math.isnan(m):
-                        ax.text(xi, m + s + 0.02, f"{m:.2f}", ha="center", va="bottom", fontsize=7,
-                                rotation=90 if len(groups) > 1 else 0)  # fmt: skip
+                        ax.text(
+                            xi,
+                            m + s + 0.02,
+                            f"{m:.2f}",
+                            ha="center",
+                            va="bottom",
+                            fontsize=7,
+                            rotation=90 if len(groups) > 1 else 0,
+                        )
         ax.set_xticks(x, [textwrap.fill(n, 13) for n in names], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", color="0.9", lw=0.6, zorder=0)
@@ -324,8 +406,16 @@ def phase_accuracy_bars(tasks: pl.DataFrame, path: Path | str, phases: Sequence[
     axes[0].set_ylabel("accuracy (fraction of tasks correct)")
     seeds_text = f"mean ± sample std over {n_seeds} seeds" if n_seeds > 1 else "1 seed (no error bars)"
     fig.suptitle(f"Accuracy per phase: {seeds_text}", x=0.01, ha="left", fontsize=11)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(groups), 6), fontsize=8,
-               frameon=False, title="method", title_fontsize=8, alignment="center")  # fmt: skip
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="lower center",
+        ncol=min(len(groups), 6),
+        fontsize=8,
+        frameon=False,
+        title="method",
+        title_fontsize=8,
+        alignment="center",
+    )
     legend_rows = 1 + (len(groups) - 1) // 6
     fig.tight_layout(rect=(0, (0.35 + 0.22 * legend_rows) / fig.get_figheight(), 1, 0.97))
     return _save(fig, path)
@@ -374,24 +464,38 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
     for k, topology in enumerate(topologies):
         color = TOPOLOGY_COLORS.get(topology, METHOD_COLORS[(k + 2) % len(METHOD_COLORS)])
         # later topologies are drawn thinner and hollow on top, so coinciding lines stay visible
-        style = dict(color=color, capsize=3, lw=2.4 - 0.9 * min(k, 1), ms=7 - 2 * min(k, 1),
-                     mfc=color if k == 0 else "white", mew=1.4, zorder=3 + k)  # fmt: skip
-        rows = sorted((e for e in summary_entries if str(e["topology"]) == topology), key=lambda e: int(e["n_agents"]))
+        style = {
+            "color": color,
+            "capsize": 3,
+            "lw": 2.4 - 0.9 * min(k, 1),
+            "ms": 7 - 2 * min(k, 1),
+            "mfc": color if k == 0 else "white",
+            "mew": 1.4,
+            "zorder": 3 + k,
+        }
+        rows = sorted(
+            (e for e in summary_entries if str(e["topology"]) == topology), key=lambda e: int(e["n_agents"])
+        )
         n = np.array([int(e["n_agents"]) for e in rows])
         for key, ls, marker, phase in (("acc_h", "-", "o", "healthy"), ("acc_d", "--", "s", "degraded")):
             m, s = np.array([_value(e, key) for e in rows]).T
-            axes[0].errorbar(n, m, yerr=np.nan_to_num(s), ls=ls, marker=marker, label=f"{topology}, {phase} phase",
-                             **style)  # fmt: skip
+            axes[0].errorbar(
+                n, m, yerr=np.nan_to_num(s), ls=ls, marker=marker, label=f"{topology}, {phase} phase", **style
+            )
         iso = np.array([_value(e, "isolated_degraded") for e in rows])
         n_deg = np.array([float(e.get("n_degraded") or int(e["n_agents"]) // 3) for e in rows])
-        axes[1].errorbar(n, iso[:, 0] / n_deg, yerr=np.nan_to_num(iso[:, 1] / n_deg), marker="o", label=topology,
-                         **style)  # fmt: skip
+        axes[1].errorbar(
+            n, iso[:, 0] / n_deg, yerr=np.nan_to_num(iso[:, 1] / n_deg), marker="o", label=topology, **style
+        )
         if with_false:
             fi = np.array([_value(e, "false_isolations") for e in rows])
             axes[2].errorbar(n, fi[:, 0], yerr=np.nan_to_num(fi[:, 1]), marker="o", label=topology, **style)
     titles = ("Accuracy", "Degraded agents isolated", "False isolations")
-    ylabels = ("accuracy (fraction of tasks correct)", "isolated / degraded agents (fraction)",
-               "isolations of healthy agents (count)")  # fmt: skip
+    ylabels = (
+        "accuracy (fraction of tasks correct)",
+        "isolated / degraded agents (fraction)",
+        "isolations of healthy agents (count)",
+    )
     for ax, title, ylabel in zip(axes, titles, ylabels):
         if len(sizes) > 1 and sizes[-1] / max(sizes[0], 1) >= 8:
             ax.set_xscale("log")
@@ -407,7 +511,11 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
     axes[1].set_ylim(-0.02, 1.05)
     if with_false:
         axes[2].set_ylim(bottom=0)
-    fig.suptitle("Network scaling: complete vs sparse graph (error bars: sample std over seeds)", x=0.01, ha="left",
-                 fontsize=11)  # fmt: skip
+    fig.suptitle(
+        "Network scaling: complete vs sparse graph (error bars: sample std over seeds)",
+        x=0.01,
+        ha="left",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return _save(fig, path)

@@ -67,10 +67,12 @@ def _read_json(path: Path, what: str) -> dict:
 def _read_table(run_dir: Path, name: str) -> pl.DataFrame:
     path = run_dir / f"{name}.parquet"
     if not path.is_file():
-        raise MeshHealError(f"{run_dir} has no {name}.parquet (the run did not finish; re-run its command to resume)")
+        raise MeshHealError(
+            f"{run_dir} has no {name}.parquet (the run did not finish; re-run its command to resume)"
+        )
     try:
         return pl.read_parquet(path)
-    except Exception as err:  # polars raises several types for a damaged file
+    except (pl.exceptions.PolarsError, OSError) as err:
         raise MeshHealError(f"{path} is not a readable parquet file: {type(err).__name__}") from None
 
 
@@ -85,15 +87,20 @@ def load_run(run_dir: Path | str) -> RunFolder:
         raise MeshHealError(f"{run_dir} is not a run folder (no config.json)")
     config = _read_json(run_dir / "config.json", "the run's configuration")
     if not isinstance(config, dict) or not config.get(runner.RUN_MARKER):
-        raise MeshHealError(f"{run_dir} is not a run folder (config.json has no {runner.RUN_MARKER!r} marker)")
+        raise MeshHealError(
+            f"{run_dir} is not a run folder (config.json has no {runner.RUN_MARKER!r} marker)"
+        )
     summary = _read_json(run_dir / "summary.json", "the run did not finish; re-run its command to resume")
     name = str(config.get("experiment", {}).get("name") or summary.get("experiment"))
     needs_records = name == "recovery"
     return RunFolder(
-        path=run_dir, config=config, summary=summary, tasks=_read_table(run_dir, "tasks"),
+        path=run_dir,
+        config=config,
+        summary=summary,
+        tasks=_read_table(run_dir, "tasks"),
         reviews=_read_table(run_dir, "reviews") if needs_records else None,
         states=_read_table(run_dir, "states") if needs_records else None,
-    )  # fmt: skip
+    )
 
 
 def experiment_from_config(experiment: dict) -> runner.Experiment:
@@ -107,7 +114,9 @@ def experiment_from_config(experiment: dict) -> runner.Experiment:
         if fields.get(key) is not None:
             fields[key] = Path(fields[key])
     protocol_known = {f.name for f in dataclasses.fields(ProtocolParams)}
-    fields["protocol"] = ProtocolParams(**{k: v for k, v in experiment.get("protocol", {}).items() if k in protocol_known})
+    fields["protocol"] = ProtocolParams(
+        **{k: v for k, v in experiment.get("protocol", {}).items() if k in protocol_known}
+    )
     try:
         return runner.Experiment(**fields)
     except TypeError as err:
@@ -147,10 +156,17 @@ def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
         seed = int(exp["seeds"][0])
         dataset, pair = exp["datasets"][0], exp["pairs"][0]
         path = plots.recovery_trajectory(
-            run.reviews, run.states, run.tasks, schedule, seed, run.path / f"trajectory_seed{seed}.png",
-            phase_names=_phase_names(run.summary), dataset=dataset, pair=pair,
+            run.reviews,
+            run.states,
+            run.tasks,
+            schedule,
+            seed,
+            run.path / f"trajectory_seed{seed}.png",
+            phase_names=_phase_names(run.summary),
+            dataset=dataset,
+            pair=pair,
             method=exp.get("method"),
-        )  # fmt: skip
+        )
         figures.append((f"Recovery trajectory, seed {seed} ({dataset}, pair {pair})", path))
     if run.tasks.height and "phase" in run.tasks.columns:
         path = plots.phase_accuracy_bars(run.tasks, run.path / PHASES_PNG, _phase_names(run.summary))
@@ -184,14 +200,34 @@ def results_table(summary: dict) -> str:
     for r in summary.get("results", []):
         if "acc_healthy" not in r:
             continue
-        rows.append([
-            *_labels(r), fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), fmt(r["phase_change"]),
-            fmt(r["calls_per_task_healthy"], 1), fmt(r["calls_per_task_degraded"], 1),
-            fmt(r["tokens_per_task_healthy"], 1, 1e-3), fmt(r["tokens_per_task_degraded"], 1, 1e-3),
-            fmt(r.get("missed"), 2), fmt(r.get("false_isolations"), 2),
-        ])  # fmt: skip
-    headers = ("method", "dataset", "pair", "acc H", "acc D", "D − H", "calls H", "calls D", "tokens H (k)",
-               "tokens D (k)", "missed", "false isolations")  # fmt: skip
+        rows.append(
+            [
+                *_labels(r),
+                fmt(r["acc_healthy"]),
+                fmt(r["acc_degraded"]),
+                fmt(r["phase_change"]),
+                fmt(r["calls_per_task_healthy"], 1),
+                fmt(r["calls_per_task_degraded"], 1),
+                fmt(r["tokens_per_task_healthy"], 1, 1e-3),
+                fmt(r["tokens_per_task_degraded"], 1, 1e-3),
+                fmt(r.get("missed"), 2),
+                fmt(r.get("false_isolations"), 2),
+            ]
+        )
+    headers = (
+        "method",
+        "dataset",
+        "pair",
+        "acc H",
+        "acc D",
+        "D − H",
+        "calls H",
+        "calls D",
+        "tokens H (k)",
+        "tokens D (k)",
+        "missed",
+        "false isolations",
+    )
     return md_table(headers, rows) if rows else ""
 
 
@@ -202,8 +238,16 @@ def phases_table(summary: dict) -> str:
         phases = r.get("phases") or []
         for k, ph in enumerate(phases):
             span = f"{k * n_tasks // len(phases) + 1}–{(k + 1) * n_tasks // len(phases)}" if n_tasks else ""
-            rows.append([*_labels(r), ph["name"], span, fmt(ph["acc"]), fmt(ph["calls_per_task"], 1),
-                         fmt(ph["tokens_per_task"], 1, 1e-3)])  # fmt: skip
+            rows.append(
+                [
+                    *_labels(r),
+                    ph["name"],
+                    span,
+                    fmt(ph["acc"]),
+                    fmt(ph["calls_per_task"], 1),
+                    fmt(ph["tokens_per_task"], 1, 1e-3),
+                ]
+            )
     headers = ("method", "dataset", "pair", "phase", "tasks", "accuracy", "calls/task", "tokens/task (k)")
     return md_table(headers, rows) if rows else ""
 
@@ -214,23 +258,45 @@ def agents_table(summary: dict) -> str:
     for r in summary.get("results", []):
         for a in r.get("agents") or []:
             end = a["recovered_at"] - 1 if a.get("recovered_at") else n_tasks
-            reintegration = fmt_range(a["reintegration_delay"]) if a.get("recovered_at") else "— (never restored)"
-            rows.append([
-                *_labels(r), f"{a.get('profile', '')} (agent {a['agent']})", f"{a['degraded_at']}–{end}",
-                fmt_range(a["detection_delay"]), f"{a['closure_seeds']}/{len(r['seeds'])}", reintegration,
-            ])  # fmt: skip
-    headers = ("method", "dataset", "pair", "agent", "degraded tasks", "detection delay", "closure seeds",
-               "reintegration delay")  # fmt: skip
+            reintegration = (
+                fmt_range(a["reintegration_delay"]) if a.get("recovered_at") else "— (never restored)"
+            )
+            rows.append(
+                [
+                    *_labels(r),
+                    f"{a.get('profile', '')} (agent {a['agent']})",
+                    f"{a['degraded_at']}–{end}",
+                    fmt_range(a["detection_delay"]),
+                    f"{a['closure_seeds']}/{len(r['seeds'])}",
+                    reintegration,
+                ]
+            )
+    headers = (
+        "method",
+        "dataset",
+        "pair",
+        "agent",
+        "degraded tasks",
+        "detection delay",
+        "closure seeds",
+        "reintegration delay",
+    )
     return md_table(headers, rows) if rows else ""
 
 
 SCALE_COLUMNS = (  # (key, header, digits, scale) in the order the scaling table shows them
-    ("acc_h", "acc H", 3, 1.0), ("acc_healthy", "acc H", 3, 1.0), ("acc_d", "acc D", 3, 1.0),
-    ("acc_degraded", "acc D", 3, 1.0), ("isolated_degraded", "isolated", 1, 1.0), ("n_degraded", "degraded", 0, 1.0),
-    ("false_isolations", "false isolations", 2, 1.0), ("edges", "edges", 0, 1.0),
-    ("edge_fraction", "edge fraction", 4, 1.0), ("max_ability_distance", "max ability distance", 0, 1.0),
+    ("acc_h", "acc H", 3, 1.0),
+    ("acc_healthy", "acc H", 3, 1.0),
+    ("acc_d", "acc D", 3, 1.0),
+    ("acc_degraded", "acc D", 3, 1.0),
+    ("isolated_degraded", "isolated", 1, 1.0),
+    ("n_degraded", "degraded", 0, 1.0),
+    ("false_isolations", "false isolations", 2, 1.0),
+    ("edges", "edges", 0, 1.0),
+    ("edge_fraction", "edge fraction", 4, 1.0),
+    ("max_ability_distance", "max ability distance", 0, 1.0),
     ("tokens_per_task", "tokens/task (k)", 1, 1e-3),
-)  # fmt: skip
+)
 
 
 def scaling_table(entries: list[dict]) -> str:
@@ -247,18 +313,32 @@ def scaling_table(entries: list[dict]) -> str:
             return f"{value * scale:.{digits}f}"
         return "—" if value is None else str(value)
 
-    rows = [[str(e["n_agents"]), str(e["topology"]), *(show(e.get(k), d, s) for k, _, d, s in columns)]
-            for e in sorted(entries, key=lambda e: (str(e["topology"]), int(e["n_agents"])))]  # fmt: skip
+    rows = [
+        [str(e["n_agents"]), str(e["topology"]), *(show(e.get(k), d, s) for k, _, d, s in columns)]
+        for e in sorted(entries, key=lambda e: (str(e["topology"]), int(e["n_agents"])))
+    ]
     return md_table(["agents", "topology", *(h for _, h, _, _ in columns)], rows)
 
 
 def state_changes_table(states: pl.DataFrame, seed: int, dataset: str, pair: str) -> tuple[str, int]:
-    changes = states.filter((pl.col("seed") == seed) & (pl.col("dataset") == dataset) & (pl.col("pair") == pair))
+    changes = states.filter(
+        (pl.col("seed") == seed) & (pl.col("dataset") == dataset) & (pl.col("pair") == pair)
+    )
     rows = []
     for row in changes.head(STATE_CHANGES_SHOWN).iter_rows(named=True):
         z = "—" if row["z"] is None else f"{row['z']:.2f}"
-        rows.append([str(row["t"]), plots.agent_label(row["agent"]), row["from"], row["to"], z, row["reason"],
-                     "yes" if row["probe"] else "", "yes" if row["degraded"] else ""])  # fmt: skip
+        rows.append(
+            [
+                str(row["t"]),
+                plots.agent_label(row["agent"]),
+                row["from"],
+                row["to"],
+                z,
+                row["reason"],
+                "yes" if row["probe"] else "",
+                "yes" if row["degraded"] else "",
+            ]
+        )
     headers = ("t", "agent", "from", "to", "z", "reason", "probe", "degraded")
     return md_table(headers, rows), changes.height
 
@@ -302,13 +382,26 @@ def reproduce_commands(config: dict, run_dir: Path | None = None) -> list[str]:
         commands.append(shlex.join([*module.split(), *map(str, config["argv"])]))
     elif name == "main":
         for pair in exp.get("pairs", ["default"]):
-            flags = [*_common_flags(exp, pair), "--datasets", *exp.get("datasets", []), "--tasks",
-                     str(exp.get("n_tasks", 504)), "--degraded", *map(str, exp.get("degraded", []))]  # fmt: skip
+            flags = [
+                *_common_flags(exp, pair),
+                "--datasets",
+                *exp.get("datasets", []),
+                "--tasks",
+                str(exp.get("n_tasks", 504)),
+                "--degraded",
+                *map(str, exp.get("degraded", [])),
+            ]
             commands.append(shlex.join([*module.split(), *flags]))
     elif name == "recovery":
         for pair in exp.get("pairs", ["default"]):
             for dataset in exp.get("datasets", ["math"]):
-                flags = [*_common_flags(exp, pair), "--dataset", dataset, "--tasks", str(exp.get("n_tasks", 630))]
+                flags = [
+                    *_common_flags(exp, pair),
+                    "--dataset",
+                    dataset,
+                    "--tasks",
+                    str(exp.get("n_tasks", 630)),
+                ]
                 commands.append(shlex.join([*module.split(), *flags]))
     else:  # other experiments: the shared flags, plus the network size and graph of a scaling run
         for pair in exp.get("pairs", ["default"]):
@@ -339,10 +432,16 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
         f"seeds {', '.join(map(str, exp.get('seeds', [])))}",
         f"created {config.get('created', '?')}",
         f"git revision {config.get('git_revision') or 'unknown'}",
-    ]  # fmt: skip
-    lines += ["; ".join(facts) + ".", "",
-              "Numbers are mean ± sample std over seeds; delays are mean ± std (min–max) with n = seeds where "
-              "the event happened (“never” where it did not).", ""]  # fmt: skip
+    ]
+    lines += [
+        "; ".join(facts) + ".",
+        "",
+        (
+            "Numbers are mean ± sample std over seeds; delays are mean ± std (min–max) with n = seeds where "
+            "the event happened (“never” where it did not)."
+        ),
+        "",
+    ]
 
     sections = []
     entries = scaling_entries(summary)
@@ -350,17 +449,25 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
         sections.append(("Network scaling", scaling_table(entries)))
     table = results_table(summary)
     if table:
-        sections.append(("Accuracy, calls and tokens",
-                         "H: tasks with no agent degraded; D: tasks with some agent degraded; D − H is paired "
-                         "within seed; tokens in thousands per task.\n\n" + table))  # fmt: skip
+        sections.append(
+            (
+                "Accuracy, calls and tokens",
+                "H: tasks with no agent degraded; D: tasks with some agent degraded; D − H is paired "
+                "within seed; tokens in thousands per task.\n\n" + table,
+            )
+        )
     if any(len(r.get("phases") or []) > 2 for r in summary.get("results", [])):
         sections.append(("Per phase", phases_table(summary)))
     table = agents_table(summary)
     if table:
-        sections.append(("Self-healing per degraded agent",
-                         "Detection delay: tasks from degradation to the first isolation; closure: seeds where "
-                         "the agent stays isolated to the end of its degradation; reintegration delay: tasks "
-                         "from restoration to the start of its final run in state normal.\n\n" + table))  # fmt: skip
+        sections.append(
+            (
+                "Self-healing per degraded agent",
+                "Detection delay: tasks from degradation to the first isolation; closure: seeds where "
+                "the agent stays isolated to the end of its degradation; reintegration delay: tasks "
+                "from restoration to the start of its final run in state normal.\n\n" + table,
+            )
+        )
     for title, body in sections:
         lines += [f"## {title}", "", body, ""]
 
@@ -372,17 +479,44 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
     if run.name == "recovery" and run.states is not None and exp.get("seeds"):
         seed, dataset, pair = int(exp["seeds"][0]), exp["datasets"][0], exp["pairs"][0]
         table, n = state_changes_table(run.states, seed, dataset, pair)
-        cut = f" (first {STATE_CHANGES_SHOWN} of {n}; all in states.parquet)" if n > STATE_CHANGES_SHOWN else ""
-        lines += [f"## State changes, seed {seed} ({dataset}, pair {pair})", "",
-                  f"<details><summary>{n} state changes{cut}</summary>", "", table, "", "</details>", ""]  # fmt: skip
+        cut = (
+            f" (first {STATE_CHANGES_SHOWN} of {n}; all in states.parquet)" if n > STATE_CHANGES_SHOWN else ""
+        )
+        lines += [
+            f"## State changes, seed {seed} ({dataset}, pair {pair})",
+            "",
+            f"<details><summary>{n} state changes{cut}</summary>",
+            "",
+            table,
+            "",
+            "</details>",
+            "",
+        ]
 
-    lines += ["## Reproduce", "",
-              "Re-run the experiment (a new run folder under `runs/`; add `--out DIR` to choose it), then "
-              "regenerate this report:", "", "```bash", *reproduce_commands(config, run.path), "```", ""]  # fmt: skip
-    lines += ["## Files", "", "- `config.json`: the resolved configuration (below)",
-              "- `summary.json`: every statistic of the tables above",
-              "- `tasks.parquet`, `reviews.parquet`, `states.parquet`, `calls.parquet`: one row per task, "
-              "reviewed output, state change and model call (every seed)", ""]  # fmt: skip
+    lines += [
+        "## Reproduce",
+        "",
+        (
+            "Re-run the experiment (a new run folder under `runs/`; add `--out DIR` to choose it), then "
+            "regenerate this report:"
+        ),
+        "",
+        "```bash",
+        *reproduce_commands(config, run.path),
+        "```",
+        "",
+    ]
+    lines += [
+        "## Files",
+        "",
+        "- `config.json`: the resolved configuration (below)",
+        "- `summary.json`: every statistic of the tables above",
+        (
+            "- `tasks.parquet`, `reviews.parquet`, `states.parquet`, `calls.parquet`: one row per task, "
+            "reviewed output, state change and model call (every seed)"
+        ),
+        "",
+    ]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
     return "\n".join(lines)
 

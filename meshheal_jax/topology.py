@@ -14,10 +14,11 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
-import scipy.sparse
 import scipy.sparse.csgraph
 
+from meshheal_jax import graphs
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.graphs import complete_edges, edges_from_adjacency, neighbour_table
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 DATASETS = ("bbh", "math", "mmlu_pro")
@@ -187,15 +188,7 @@ class Network:
     @property
     def adjacency(self) -> np.ndarray:
         """(N, N) bool; small networks only."""
-        n = self.n_agents
-        if n > DENSE_LIMIT:
-            raise MeshHealError(f"a dense adjacency of {n} agents is not built (limit {DENSE_LIMIT}); use neighbour_table")
-        adjacency = np.zeros((n, n), dtype=bool)
-        adjacency[self.edges[:, 0], self.edges[:, 1]] = True
-        return adjacency | adjacency.T
-
-
-DENSE_LIMIT = 4096
+        return graphs.adjacency_from_edges(self.edges, self.n_agents)
 
 
 def replicate_holds(profile: Profile, n_agents: int) -> np.ndarray:
@@ -210,64 +203,15 @@ def complete_graph(n_agents: int) -> np.ndarray:
     return adjacency
 
 
-def complete_edges(n_agents: int) -> np.ndarray:
-    i, j = np.triu_indices(n_agents, k=1)
-    return np.stack([i, j], axis=1).astype(np.int32)
-
-
-def edges_from_adjacency(adjacency: np.ndarray) -> np.ndarray:
-    """Checks a dense adjacency (square, no self loop, symmetric) and returns its edge list."""
-    adjacency = np.asarray(adjacency, dtype=bool)
-    n = adjacency.shape[0]
-    if adjacency.shape != (n, n):
-        raise MeshHealError(f"graph: adjacency must be square, got {adjacency.shape}")
-    if np.any(np.diag(adjacency)):
-        raise MeshHealError(f"graph: self loop at agent {int(np.flatnonzero(np.diag(adjacency))[0])}")
-    if not np.array_equal(adjacency, adjacency.T):
-        i, j = np.argwhere(adjacency != adjacency.T)[0]
-        raise MeshHealError(f"graph: edge ({i}, {j}) is not undirected")
-    i, j = np.nonzero(np.triu(adjacency, k=1))
-    return np.stack([i, j], axis=1).astype(np.int32)
-
-
-def neighbour_table(edges: np.ndarray, n_agents: int) -> np.ndarray:
-    both = np.concatenate([edges, edges[:, ::-1]]).astype(np.int64)
-    order = np.lexsort((both[:, 1], both[:, 0]))
-    src, dst = both[order, 0], both[order, 1]
-    degree = np.bincount(src, minlength=n_agents)
-    k = max(int(degree.max(initial=0)), 1)
-    starts = np.concatenate([[0], np.cumsum(degree)[:-1]])
-    column = np.arange(src.size) - starts[src]
-    table = np.full((n_agents, k), -1, dtype=np.int32)
-    table[src, column] = dst
-    return table
-
-
 def validate_edges(edges: np.ndarray, n_agents: int) -> np.ndarray:
-    """Normalise an edge list to (E, 2) int32 rows i < j, sorted; reject self loops, duplicates,
-    ids out of range and a disconnected graph, naming the offending agent or edge."""
-    edges = np.asarray(edges)
-    if edges.ndim != 2 or edges.shape[1] != 2:
-        raise MeshHealError(f"graph: edge list must have shape (E, 2), got {edges.shape}")
-    edges = edges.astype(np.int64)
-    bad = np.flatnonzero((edges < 0).any(axis=1) | (edges >= n_agents).any(axis=1))
-    if bad.size:
-        raise MeshHealError(f"graph: edge {tuple(int(x) for x in edges[bad[0]])} names an agent outside 0..{n_agents - 1}")
-    loops = np.flatnonzero(edges[:, 0] == edges[:, 1])
-    if loops.size:
-        raise MeshHealError(f"graph: self loop at agent {int(edges[loops[0], 0])}")
-    edges = np.sort(edges, axis=1)
-    edges = edges[np.lexsort((edges[:, 1], edges[:, 0]))]
-    dup = np.flatnonzero((np.diff(edges, axis=0) == 0).all(axis=1))
-    if dup.size:
-        raise MeshHealError(f"graph: edge {tuple(int(x) for x in edges[dup[0]])} appears twice")
+    """Structure (ids in range, no self loop or duplicate) and connectivity; canonical edges."""
+    edges = graphs.check_structure(edges, n_agents)
     if n_agents > 1:
-        graph = scipy.sparse.coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(n_agents, n_agents))
-        reached = scipy.sparse.csgraph.breadth_first_order(graph, 0, directed=False, return_predecessors=False)
-        if reached.size != n_agents:
-            missing = int(np.setdiff1d(np.arange(n_agents), reached)[0])
+        n_parts, labels = scipy.sparse.csgraph.connected_components(graphs.csr(edges, n_agents), directed=False)
+        if n_parts > 1:
+            missing = int(np.flatnonzero(labels != labels[0])[0])
             raise MeshHealError(f"graph: not connected (agent {missing} unreachable from agent 0)")
-    return edges.astype(np.int32)
+    return graphs.canonical(edges)
 
 
 def validate_graph(adjacency: np.ndarray) -> None:

@@ -32,16 +32,18 @@ def assert_png(path: Path) -> None:
 @pytest.fixture(scope="module")
 def recovery_run(tmp_path_factory) -> runner.Results:
     """A 210-task recovery stream, one seed, reference engine (a few seconds)."""
-    exp = runner.Experiment(name="recovery", datasets=("math",), pairs=("default",), seeds=(3,),
-                            engine="reference", n_tasks=210)  # fmt: skip
+    exp = runner.Experiment(
+        name="recovery", datasets=("math",), pairs=("default",), seeds=(3,), engine="reference", n_tasks=210
+    )
     return runner.run(exp, tmp_path_factory.mktemp("recovery") / "run", progress=False)
 
 
 @pytest.fixture(scope="module")
 def main_run(tmp_path_factory) -> runner.Results:
     """The persistent experiment on two short BBH streams, reference engine."""
-    exp = runner.Experiment(name="main", datasets=("bbh",), pairs=("default",), seeds=(0, 1),
-                            engine="reference", n_tasks=84)  # fmt: skip
+    exp = runner.Experiment(
+        name="main", datasets=("bbh",), pairs=("default",), seeds=(0, 1), engine="reference", n_tasks=84
+    )
     return runner.run(exp, tmp_path_factory.mktemp("main") / "run", progress=False)
 
 
@@ -55,8 +57,15 @@ def test_recovery_report(recovery_run):
     assert path == recovery_run.run_dir / "report.md"
     text = path.read_text()
     assert text.startswith("# MeshHeal run: recovery")
-    for heading in ("## Accuracy, calls and tokens", "## Per phase", "## Self-healing per degraded agent",
-                    "## State changes, seed 3", "## Figures", "## Reproduce", "## Config"):  # fmt: skip
+    for heading in (
+        "## Accuracy, calls and tokens",
+        "## Per phase",
+        "## Self-healing per degraded agent",
+        "## State changes, seed 3",
+        "## Figures",
+        "## Reproduce",
+        "## Config",
+    ):
         assert heading in text, heading
     for name in RECOVERY_PHASES:  # per-phase table rows, with the summary's numbers
         assert f"| {name} |" in text
@@ -67,8 +76,10 @@ def test_recovery_report(recovery_run):
     assert "![Accuracy per phase](phase_accuracy.png)" in text
     assert_png(recovery_run.run_dir / "trajectory_seed3.png")
     assert_png(recovery_run.run_dir / "phase_accuracy.png")
-    assert "python -m meshheal_jax.recovery --seed-list 3 --pair default --engine reference --slots 1 " \
-           "--dataset math --tasks 210" in text  # fmt: skip
+    assert (
+        "python -m meshheal_jax.recovery --seed-list 3 --pair default --engine reference --slots 1 "
+        "--dataset math --tasks 210" in text
+    )
     config = json.loads(text.split("```json\n", 1)[1].split("\n```", 1)[0])
     assert config == json.loads((recovery_run.run_dir / "config.json").read_text())
 
@@ -77,21 +88,32 @@ def test_main_report(main_run):
     text = report.write_report(main_run.run_dir).read_text()
     assert "| method | dataset | pair | acc H | acc D |" in text
     result = main_run.summary["results"][0]
-    assert f"| meshheal | bbh | default | {report.fmt(result['acc_healthy'])} | {report.fmt(result['acc_degraded'])} |" in text
+    acc_h, acc_d = report.fmt(result["acc_healthy"]), report.fmt(result["acc_degraded"])
+    assert f"| meshheal | bbh | default | {acc_h} | {acc_d} |" in text
     assert "## Per phase" not in text  # two phases: the H/D table says it all
     assert "![Accuracy per phase](phase_accuracy.png)" in text
     assert "trajectory" not in text
     assert_png(main_run.run_dir / "phase_accuracy.png")
-    assert "python -m meshheal_jax.main --seeds 2 --pair default --engine reference --slots 1 --datasets bbh " \
-           "--tasks 84 --degraded 2 4" in text  # fmt: skip
+    assert (
+        "python -m meshheal_jax.main --seeds 2 --pair default --engine reference --slots 1 --datasets bbh "
+        "--tasks 84 --degraded 2 4" in text
+    )
 
 
 def test_reproduce_commands_carry_protocol_changes_and_argv():
-    exp = runner.Experiment(name="recovery", datasets=("math",), pairs=("A", "B"), seeds=(4, 7), n_tasks=630,
-                            protocol=ProtocolParams(alpha=1.5, probe_interval=5))  # fmt: skip
+    exp = runner.Experiment(
+        name="recovery",
+        datasets=("math",),
+        pairs=("A", "B"),
+        seeds=(4, 7),
+        n_tasks=630,
+        protocol=ProtocolParams(alpha=1.5, probe_interval=5),
+    )
     commands = report.reproduce_commands({"experiment": exp.to_json()}, Path("runs/x"))
-    assert commands[0] == ("python -m meshheal_jax.recovery --seed-list 4 7 --pair A --engine jax --slots 1 "
-                           "--protocol.alpha 1.5 --protocol.probe-interval 5 --dataset math --tasks 630")  # fmt: skip
+    assert commands[0] == (
+        "python -m meshheal_jax.recovery --seed-list 4 7 --pair A --engine jax --slots 1 "
+        "--protocol.alpha 1.5 --protocol.probe-interval 5 --dataset math --tasks 630"
+    )
     assert commands[1].startswith("python -m meshheal_jax.recovery --seed-list 4 7 --pair B ")
     assert commands[-1] == "python -m meshheal_jax.report runs/x"
     scale = report.reproduce_commands({"experiment": {"name": "scale", "n_agents": 96, "topology": "sparse"}})
@@ -108,10 +130,21 @@ def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
     (run_dir / "config.json").write_text(json.dumps(config))
     main_run.tasks.write_parquet(run_dir / "tasks.parquet")
     base = main_run.summary["results"][0]
-    results = [{**base, "n_agents": n, "topology": topo, "isolated_degraded": {"mean": n / 3 - 1, "std": 0.5},
-                "n_degraded": n // 3, "edges": 3 * n}
-               for n in (6, 96, 288) for topo in ("complete", "sparse")]  # fmt: skip
-    (run_dir / "summary.json").write_text(json.dumps({**main_run.summary, "experiment": "scale", "results": results}))
+    results = [
+        {
+            **base,
+            "n_agents": n,
+            "topology": topo,
+            "isolated_degraded": {"mean": n / 3 - 1, "std": 0.5},
+            "n_degraded": n // 3,
+            "edges": 3 * n,
+        }
+        for n in (6, 96, 288)
+        for topo in ("complete", "sparse")
+    ]
+    (run_dir / "summary.json").write_text(
+        json.dumps({**main_run.summary, "experiment": "scale", "results": results})
+    )
     text = report.write_report(run_dir).read_text()
     assert "## Network scaling" in text and "![Network scaling](scaling.png)" in text
     assert "| agents | topology | acc H | acc D | isolated | degraded |" in text
@@ -124,35 +157,100 @@ def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
 
 
 def _review(seed: int, t: int, author: int, q: float, state_after: str, probe: bool = False) -> dict:
-    return {"method": "meshheal", "dataset": "math", "pair": "default", "seed": seed, "t": t, "visit": 0,
-            "author": author, "q": q, "probe": probe, "state_before": state_after, "state_after": state_after,
-            "author_degraded": False, "committee": False, "takeover": False}  # fmt: skip
+    return {
+        "method": "meshheal",
+        "dataset": "math",
+        "pair": "default",
+        "seed": seed,
+        "t": t,
+        "visit": 0,
+        "author": author,
+        "q": q,
+        "probe": probe,
+        "state_before": state_after,
+        "state_after": state_after,
+        "author_degraded": False,
+        "committee": False,
+        "takeover": False,
+    }
 
 
 def test_trajectory_without_probes_and_never_isolated(tmp_path):
     """Two degraded agents: one watched for a while, none isolated, no probe anywhere."""
     n_tasks = 60
     schedule = HealthSchedule(6, n_tasks, ((2, 21, 41), (4, 31, n_tasks + 1)))
-    rows = [_review(0, t, t % 6, 1.0 if t < 21 or t % 6 not in (2, 4) else 0.25,
-                    "watched" if t % 6 == 2 and 25 <= t < 45 else "normal") for t in range(1, n_tasks + 1)]  # fmt: skip
+    rows = [
+        _review(
+            0,
+            t,
+            t % 6,
+            1.0 if t < 21 or t % 6 not in (2, 4) else 0.25,
+            "watched" if t % 6 == 2 and 25 <= t < 45 else "normal",
+        )
+        for t in range(1, n_tasks + 1)
+    ]
     reviews = metrics.frame("reviews", rows)
-    states = metrics.frame("states", [
-        {"method": "meshheal", "dataset": "math", "pair": "default", "seed": 0, "t": 25, "agent": 2,
-         "from": "normal", "to": "watched", "z": 1.5, "reason": "z>=alpha", "probe": False, "degraded": True},
-        {"method": "meshheal", "dataset": "math", "pair": "default", "seed": 0, "t": 45, "agent": 2,
-         "from": "watched", "to": "normal", "z": 0.2, "reason": "z<alpha", "probe": False, "degraded": False},
-    ])  # fmt: skip
-    tasks = metrics.frame("tasks", [
-        {"method": "meshheal", "dataset": "math", "pair": "default", "seed": 0, "t": t, "phase": (t - 1) // 20,
-         "correct": t % 3 > 0, "answered": True, "calls": 5, "tokens": 1000} for t in range(1, n_tasks + 1)
-    ])  # fmt: skip
+    states = metrics.frame(
+        "states",
+        [
+            {
+                "method": "meshheal",
+                "dataset": "math",
+                "pair": "default",
+                "seed": 0,
+                "t": 25,
+                "agent": 2,
+                "from": "normal",
+                "to": "watched",
+                "z": 1.5,
+                "reason": "z>=alpha",
+                "probe": False,
+                "degraded": True,
+            },
+            {
+                "method": "meshheal",
+                "dataset": "math",
+                "pair": "default",
+                "seed": 0,
+                "t": 45,
+                "agent": 2,
+                "from": "watched",
+                "to": "normal",
+                "z": 0.2,
+                "reason": "z<alpha",
+                "probe": False,
+                "degraded": False,
+            },
+        ],
+    )
+    tasks = metrics.frame(
+        "tasks",
+        [
+            {
+                "method": "meshheal",
+                "dataset": "math",
+                "pair": "default",
+                "seed": 0,
+                "t": t,
+                "phase": (t - 1) // 20,
+                "correct": t % 3 > 0,
+                "answered": True,
+                "calls": 5,
+                "tokens": 1000,
+            }
+            for t in range(1, n_tasks + 1)
+        ],
+    )
     assert not reviews["probe"].any() and not (states["to"] == "isolated").any()
-    out = plots.recovery_trajectory(reviews, states, tasks, schedule, 0, tmp_path / "traj.png",
-                                    phase_names=("one", "two", "three"))  # fmt: skip
+    out = plots.recovery_trajectory(
+        reviews, states, tasks, schedule, 0, tmp_path / "traj.png", phase_names=("one", "two", "three")
+    )
     assert out == tmp_path / "traj.png"
     assert_png(out)
     # an agent without a single output still gets its panel
-    plots.recovery_trajectory(reviews.filter(pl.col("author") != 4), states, tasks, schedule, 0, tmp_path / "t2.png")
+    plots.recovery_trajectory(
+        reviews.filter(pl.col("author") != 4), states, tasks, schedule, 0, tmp_path / "t2.png"
+    )
     assert_png(tmp_path / "t2.png")
     bars = plots.phase_accuracy_bars(tasks, tmp_path / "bars.png", ["one", "two", "three"])
     assert_png(bars)
@@ -163,30 +261,47 @@ def test_trajectory_picks_the_seed_and_rejects_ambiguous_frames(recovery_run, tm
     other = recovery_run.tasks.with_columns(pl.lit("other").alias("dataset"))
     tasks = pl.concat([recovery_run.tasks, other])
     with pytest.raises(MeshHealError, match="several datasets"):
-        plots.recovery_trajectory(recovery_run.reviews, recovery_run.states, tasks, schedule, 3, tmp_path / "x.png")
+        plots.recovery_trajectory(
+            recovery_run.reviews, recovery_run.states, tasks, schedule, 3, tmp_path / "x.png"
+        )
     with pytest.raises(MeshHealError, match="no tasks for seed 9"):
-        plots.recovery_trajectory(recovery_run.reviews, recovery_run.states, recovery_run.tasks, schedule, 9,
-                                  tmp_path / "x.png")  # fmt: skip
-    out = plots.recovery_trajectory(recovery_run.reviews, recovery_run.states, tasks, schedule, 3,
-                                    tmp_path / "ok.png", dataset="math")  # fmt: skip
+        plots.recovery_trajectory(
+            recovery_run.reviews, recovery_run.states, recovery_run.tasks, schedule, 9, tmp_path / "x.png"
+        )
+    out = plots.recovery_trajectory(
+        recovery_run.reviews, recovery_run.states, tasks, schedule, 3, tmp_path / "ok.png", dataset="math"
+    )
     assert_png(out)
 
 
 def test_phase_bars_for_several_methods_and_datasets(main_run, tmp_path):
     tasks = main_run.tasks
-    tasks = pl.concat([tasks, tasks.with_columns(pl.lit("agentnet").alias("method")),
-                       tasks.with_columns(pl.lit("math").alias("dataset"))])  # fmt: skip
+    tasks = pl.concat(
+        [
+            tasks,
+            tasks.with_columns(pl.lit("agentnet").alias("method")),
+            tasks.with_columns(pl.lit("math").alias("dataset")),
+        ]
+    )
     assert_png(plots.phase_accuracy_bars(tasks, tmp_path / "bars.png", ("healthy", "degraded")))
     with pytest.raises(MeshHealError):
         plots.phase_accuracy_bars(tasks.clear(), tmp_path / "empty.png")
 
 
 def test_scaling_plot_numbers_or_stat_dicts(tmp_path):
-    entries = [{"n_agents": 6, "topology": "complete", "acc_h": 0.85, "acc_d": 0.8, "isolated_degraded": 2},
-               {"n_agents": 96, "topology": "complete", "acc_healthy": {"mean": 0.84, "std": 0.01},
-                "acc_degraded": {"mean": 0.79, "std": 0.02}, "isolated_degraded": {"mean": 30, "std": 1.0},
-                "n_degraded": 32, "false_isolations": {"mean": 1.0, "std": 1.0}},
-               {"n_agents": 96, "topology": "sparse", "acc_h": 0.83, "acc_d": 0.75, "isolated_degraded": 28}]  # fmt: skip
+    entries = [
+        {"n_agents": 6, "topology": "complete", "acc_h": 0.85, "acc_d": 0.8, "isolated_degraded": 2},
+        {
+            "n_agents": 96,
+            "topology": "complete",
+            "acc_healthy": {"mean": 0.84, "std": 0.01},
+            "acc_degraded": {"mean": 0.79, "std": 0.02},
+            "isolated_degraded": {"mean": 30, "std": 1.0},
+            "n_degraded": 32,
+            "false_isolations": {"mean": 1.0, "std": 1.0},
+        },
+        {"n_agents": 96, "topology": "sparse", "acc_h": 0.83, "acc_d": 0.75, "isolated_degraded": 28},
+    ]
     assert_png(plots.scaling_plot(entries, tmp_path / "scaling.png"))
     with pytest.raises(MeshHealError, match="n_agents and topology"):
         plots.scaling_plot([{"n_agents": 6}], tmp_path / "bad.png")
@@ -199,8 +314,15 @@ def test_scaling_plot_numbers_or_stat_dicts(tmp_path):
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "meshheal_jax.report", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "meshheal_jax.report", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_cli_missing_folder_exits_2(tmp_path):
