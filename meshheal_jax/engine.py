@@ -929,7 +929,30 @@ def initial_carry(cfg: EngineConfig, world: World) -> Carry:
     return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), draws, jnp.int32(1))
 
 
-def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Carry:
+@pytree
+class DrawWindow:
+    """The draws of tasks first .. first + W - 1, made in one batched call at a chunk's start
+    (per-task threefry calls inside the scan cost more than the whole round)."""
+
+    first: jax.Array  # () int32
+    draws: D.TaskDraws  # leading (W,)
+
+
+def draw_window(world: World, first, width: int) -> DrawWindow:
+    ts = first + jnp.arange(width, dtype=jnp.int32)
+    return DrawWindow(first, jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts))
+
+
+def task_draws(world: World, window: DrawWindow, t) -> D.TaskDraws:
+    """Task t's draws: from the window, or made on the spot when t lies beyond it (rare: more
+    tasks started in the chunk than the window's width). Identical either way."""
+    k = t - window.first
+    inside = (k >= 0) & (k < window.draws.entry.shape[0])
+    return jax.lax.cond(across_streams(~inside), lambda: D.task_draws(world.seed, world.dataset_id, t),
+                        lambda: at(window.draws, jnp.clip(k, 0, window.draws.entry.shape[0] - 1)))  # fmt: skip
+
+
+def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry, window: DrawWindow) -> Carry:
     """Idle slots take the next tasks, in slot order (continuous batching)."""
 
     def take(k, carry):
@@ -938,7 +961,7 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
 
         def start():
             t = jnp.minimum(next_t, cfg.n_tasks)
-            draws_t = D.task_draws(world.seed, world.dataset_id, t)
+            draws_t = task_draws(world, window, t)
             started = dataclasses.replace(_start(cfg, p, world, carry.net, at(slots, k), t, draws_t), pair=jnp.int32(-1))
             pick = functools.partial(jax.tree_util.tree_map, lambda a, b: jnp.where(wants, a, b))
             return (put(slots, k, pick(started, at(slots, k))), put(backend, k, pick(fresh_backend_slot(), at(backend, k))),
@@ -950,9 +973,12 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
     return jax.lax.fori_loop(0, cfg.slots, take, carry)
 
 
-def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, RoundRecords]:
+def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry,
+               window: DrawWindow | None = None) -> tuple[Carry, RoundRecords]:  # fmt: skip
     # 1. idle slots take the next tasks
-    carry = _take_tasks(cfg, p, world, carry)
+    if window is None:
+        window = draw_window(world, carry.next_t, cfg.slots)
+    carry = _take_tasks(cfg, p, world, carry, window)
     net, slots, backend, draws = carry.net, carry.slots, carry.backend, carry.draws
     # 2. emit -> backend
     requests = emit(cfg, p, world, slots)
@@ -999,10 +1025,18 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
     TRACES["run_rounds"] += 1
 
+    width = min(cfg.n_tasks, max(2 * cfg.slots, cfg.slots * n_rounds // 3))  # ~3 rounds per task at least
+
     def one_stream(p, world, carry):
-        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
+        window = draw_window(world, carry.next_t, width)
+        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c, window), carry, None, length=n_rounds)
 
     return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def initial_carries(cfg: EngineConfig, worlds: World) -> Carry:
+    return jax.vmap(lambda w: initial_carry(cfg, w))(worlds)
 
 
 def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
@@ -1066,7 +1100,7 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
         params = make_params(protocol, first.pair, first.network.profile, cfg.n_agents)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)
     worlds = stack([make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
-    carry = jax.jit(jax.vmap(lambda w: initial_carry(cfg, w)), static_argnums=())(worlds)
+    carry = initial_carries(cfg, worlds)
     kept: list[list[dict]] = [[] for _ in specs]
     k = 0
     while not done(cfg, carry).all():

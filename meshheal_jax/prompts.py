@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -348,15 +349,15 @@ def documented_pair(profile: Profile, task_type: str) -> InferredPair:
 
 def snap_score(value: Any) -> float:
     """A reported score read onto the anchor grid; ValueError for anything that is not a score."""
-    if isinstance(value, bool):
-        raise ValueError("a score must be a number, not a boolean")
+    if isinstance(value, bool):  # pydantic turns ValueError (not TypeError) into a validation error
+        raise ValueError("a score must be a number, not a boolean")  # noqa: TRY004
     if isinstance(value, str):
         value = value.strip()
         try:
             value = float(value)
         except ValueError:
             raise ValueError(f"score {value!r} is not a number") from None
-    if not isinstance(value, (int, float)) or value != value:
+    if not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"score {value!r} is not a number")
     nearest = min(ANCHORS, key=lambda anchor: (abs(anchor - value), abs(anchor - NEUTRAL_SCORE)))
     if abs(nearest - value) > SNAP_TOLERANCE:
@@ -366,7 +367,7 @@ def snap_score(value: Any) -> float:
 
 def _normalise_choice(value: Any, allowed: tuple[str, ...], what: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{what} must be one of {allowed}")
+        raise ValueError(f"{what} must be one of {allowed}")  # noqa: TRY004 (pydantic validator)
     text = re.sub(r"[\s\-]+", "_", value.strip().casefold())
     if text not in allowed:
         raise ValueError(f"{what} {value!r} is not one of {allowed}")
@@ -421,7 +422,10 @@ class FinalizeReview(ContributeReview):
     final_answer_committed: bool = Field(description="the output commits ONE concrete final answer")
 
 
-REVIEW_MODELS: dict[str, type[ContributeReview]] = {"contribute": ContributeReview, "finalize": FinalizeReview}
+REVIEW_MODELS: dict[str, type[ContributeReview]] = {
+    "contribute": ContributeReview,
+    "finalize": FinalizeReview,
+}
 
 
 def review_schema(stage: Stage) -> dict:

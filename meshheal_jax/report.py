@@ -155,6 +155,8 @@ def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
         schedule = experiment_from_config(exp).schedule()
         seed = int(exp["seeds"][0])
         dataset, pair = exp["datasets"][0], exp["pairs"][0]
+        methods = sorted(run.tasks["method"].unique().to_list())
+        method = "meshheal" if "meshheal" in methods else methods[0]  # the trajectory is MeshHeal's
         path = plots.recovery_trajectory(
             run.reviews,
             run.states,
@@ -165,9 +167,9 @@ def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
             phase_names=_phase_names(run.summary),
             dataset=dataset,
             pair=pair,
-            method=exp.get("method"),
+            method=method,
         )
-        figures.append((f"Recovery trajectory, seed {seed} ({dataset}, pair {pair})", path))
+        figures.append((f"Recovery trajectory, seed {seed} ({dataset}, pair {pair}, {method})", path))
     if run.tasks.height and "phase" in run.tasks.columns:
         path = plots.phase_accuracy_bars(run.tasks, run.path / PHASES_PNG, _phase_names(run.summary))
         figures.append(("Accuracy per phase", path))

@@ -18,9 +18,11 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("pydantic")
 
-from meshheal_jax import prompts  # noqa: E402
-from meshheal_jax.backends.cache import ResponseCache, cache_key  # noqa: E402
-from meshheal_jax.backends.live import (  # noqa: E402
+from typing import Self
+
+from meshheal_jax import prompts
+from meshheal_jax.backends.cache import ResponseCache, cache_key
+from meshheal_jax.backends.live import (
     PARSE_FAILED,
     PARSE_OK,
     PARSE_RETRIED,
@@ -35,24 +37,38 @@ from meshheal_jax.backends.live import (  # noqa: E402
     request_seed,
     trace_rows,
 )
-from meshheal_jax.errors import MeshHealError  # noqa: E402
+from meshheal_jax.errors import MeshHealError
 
 STRONG_ROOT = "openai/gpt-oss-120b"
 WEAK_ROOT = "meta-llama/Llama-3.2-1B-Instruct"
-FAST_RETRY = RetryPolicy(max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05, connect_timeout_s=2.0,
-                         request_timeout_s=10.0)
+FAST_RETRY = RetryPolicy(
+    max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05, connect_timeout_s=2.0, request_timeout_s=10.0
+)
 PROMPT_TOKENS = 40
 COMPLETION_TOKENS = 7
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
-           503: "Service Unavailable"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 def good_review(score: float = 1.0) -> str:
-    return json.dumps({
-        "half_correct": score, "in_scope": True, "normal_working_score": score, "confidence": "high",
-        "specific_failure_found": score <= 0.25, "failure_type": "wrong_half" if score <= 0.25 else "none",
-        "failure_evidence": "x = 3" if score <= 0.25 else "", "one_sentence_reason": "checked",
-    })
+    return json.dumps(
+        {
+            "half_correct": score,
+            "in_scope": True,
+            "normal_working_score": score,
+            "confidence": "high",
+            "specific_failure_found": score <= 0.25,
+            "failure_type": "wrong_half" if score <= 0.25 else "none",
+            "failure_evidence": "x = 3" if score <= 0.25 else "",
+            "one_sentence_reason": "checked",
+        }
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,8 +108,10 @@ class ScriptedServer:
         root: str = STRONG_ROOT,
         delay_s: float = 0.0,
         die_after: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.script, self.served, self.root = script, tuple(served), root
+        self.api_key = api_key
         self.delay_s, self.die_after = delay_s, die_after
         self.chats: list[dict] = []
         self.in_flight = 0
@@ -118,7 +136,7 @@ class ScriptedServer:
         for writer in list(self._writers):
             writer.transport.abort()
 
-    async def __aenter__(self) -> ScriptedServer:
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -137,7 +155,10 @@ class ScriptedServer:
                         name, value = line.split(":", 1)
                         headers[name.strip().lower()] = value.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                status, extra, payload = await self._route(method, path, body)
+                if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
+                    status, extra, payload = 401, {}, {"error": {"message": "invalid API key"}}
+                else:
+                    status, extra, payload = await self._route(method, path, body)
                 if self.dead:
                     break
                 data = json.dumps(payload).encode()
@@ -154,7 +175,10 @@ class ScriptedServer:
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict, dict]:
         if method == "GET" and path == "/v1/models":
-            data = [{"id": name, "object": "model", "owned_by": "stand-in", "root": self.root} for name in self.served]
+            data = [
+                {"id": name, "object": "model", "owned_by": "stand-in", "root": self.root}
+                for name in self.served
+            ]
             return 200, {}, {"object": "list", "data": data}
         if method == "GET" and path == "/health":
             return 200, {}, {}
@@ -174,7 +198,11 @@ class ScriptedServer:
         finally:
             self.in_flight -= 1
         if reply.status != 200:
-            return reply.status, reply.headers, {"error": {"message": f"scripted {reply.status}", "code": reply.status}}
+            return (
+                reply.status,
+                reply.headers,
+                {"error": {"message": f"scripted {reply.status}", "code": reply.status}},
+            )
         if request["model"] not in self.served:
             return 404, {}, {"error": {"message": f"model {request['model']} does not exist"}}
         n = int(request.get("n") or 1)
@@ -185,10 +213,23 @@ class ScriptedServer:
             {"index": i, "message": {"role": "assistant", "content": c}, "finish_reason": reply.finish_reason}
             for i, c in enumerate(contents)
         ]
-        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS * len(choices),
-                 "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS * len(choices)}
-        return 200, {}, {"id": f"chatcmpl-{index}", "object": "chat.completion", "created": 0,
-                         "model": request["model"], "choices": choices, "usage": usage}
+        usage = {
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": COMPLETION_TOKENS * len(choices),
+            "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS * len(choices),
+        }
+        return (
+            200,
+            {},
+            {
+                "id": f"chatcmpl-{index}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": request["model"],
+                "choices": choices,
+                "usage": usage,
+            },
+        )
 
     @staticmethod
     def _default(request: dict) -> str:
@@ -208,22 +249,30 @@ def free_port() -> int:
 
 
 def gen_request(i: int, role: str = "strong", **kw) -> CallRequest:
-    fields = dict(
-        stream=0, t=i, call_id=0, kind="generate", role=role,
-        messages=[{"role": "user", "content": f"question {i}"}],
-        seed=request_seed(7, 0, i, 0), max_completion_tokens=256,
-        parser=prompts.execution_parser("bbh"),
-    )
+    fields = {
+        "stream": 0,
+        "t": i,
+        "call_id": 0,
+        "kind": "generate",
+        "role": role,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "seed": request_seed(7, 0, i, 0),
+        "max_completion_tokens": 256,
+        "parser": prompts.execution_parser("bbh"),
+    }
     fields.update(kw)
     return CallRequest(**fields)
 
 
 def review_request(i: int, n: int = 3, **kw) -> CallRequest:
-    fields = dict(
-        kind="review", n=n, parser=prompts.review_parser("contribute"),
-        response_format=prompts.review_response_format("contribute"),
-        messages=[{"role": "user", "content": f"review {i}"}], seed=request_seed(7, 0, i, 1),
-    )
+    fields = {
+        "kind": "review",
+        "n": n,
+        "parser": prompts.review_parser("contribute"),
+        "response_format": prompts.review_response_format("contribute"),
+        "messages": [{"role": "user", "content": f"review {i}"}],
+        "seed": request_seed(7, 0, i, 1),
+    }
     fields.update(kw)
     return gen_request(i, **fields)
 
@@ -277,7 +326,9 @@ def test_roles_go_to_their_own_servers_with_served_names():
             async with LiveClient(groups, retry=FAST_RETRY) as client:
                 out = await client.run_batch([gen_request(0), gen_request(1, role="weak")])
                 assert client.model_ids == {"strong": STRONG_ROOT, "weak": WEAK_ROOT}
-            assert [c["model"] for c in big.chats] == ["strong"] and [c["model"] for c in small.chats] == ["weak"]
+            assert [c["model"] for c in big.chats] == ["strong"] and [c["model"] for c in small.chats] == [
+                "weak"
+            ]
             assert out[0].model_id == STRONG_ROOT and out[1].model_id == WEAK_ROOT
             # reasoning_effort goes to gpt-oss only; max_completion_tokens and seed always
             assert big.chats[0]["reasoning_effort"] == "medium" and "reasoning_effort" not in small.chats[0]
@@ -359,7 +410,10 @@ def test_n3_in_one_request_counts_prompt_three_times():
             assert response.prompt_tokens == 3 * PROMPT_TOKENS
             assert response.prefix_shared_tokens == 2 * PROMPT_TOKENS
             assert response.completion_tokens == 3 * COMPLETION_TOKENS
-            assert (stats.prompt_tokens, stats.completion_tokens) == (3 * PROMPT_TOKENS, 3 * COMPLETION_TOKENS)
+            assert (stats.prompt_tokens, stats.completion_tokens) == (
+                3 * PROMPT_TOKENS,
+                3 * COMPLETION_TOKENS,
+            )
 
     run(scenario())
 
@@ -382,7 +436,9 @@ def test_n3_fallback_when_server_returns_fewer_choices():
 
 
 def test_request_seeds_are_spaced_by_n():
-    seeds = {request_seed(s, d, t, c) for s in range(3) for d in range(3) for t in range(20) for c in range(12)}
+    seeds = {
+        request_seed(s, d, t, c) for s in range(3) for d in range(3) for t in range(20) for c in range(12)
+    }
     assert len(seeds) == 3 * 3 * 20 * 12
     assert all(seed % 4 == 0 and 0 <= seed < 2**50 for seed in seeds)
     assert request_seed(1, 0, 5, 2) == request_seed(1, 0, 5, 2)
@@ -440,7 +496,9 @@ def test_length_with_empty_content_is_retried():
         async with ScriptedServer(script) as server:
             async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
                 (response,) = await client.run_batch([gen_request(0)])
-            assert len(server.chats) == 2 and server.chats[1]["seed"] == gen_request(0).seed + RETRY_SEED_OFFSET
+            assert (
+                len(server.chats) == 2 and server.chats[1]["seed"] == gen_request(0).seed + RETRY_SEED_OFFSET
+            )
             assert response.parse_status == (PARSE_RETRIED,) and response.finish_reason == ("stop",)
             assert response.parsed[0].answer == "(A)"
 
@@ -449,8 +507,10 @@ def test_length_with_empty_content_is_retried():
 
 def test_length_with_content_is_kept():
     async def scenario():
-        script = lambda body, index: Reply(contents=["COMPETENCE_MATCH:yes\nlong work with no answer"],  # noqa: E731
-                                           finish_reason="length")
+        script = lambda body, index: Reply(
+            contents=["COMPETENCE_MATCH:yes\nlong work with no answer"],
+            finish_reason="length",
+        )
         async with ScriptedServer(script) as server:
             async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
                 (response,) = await client.run_batch([gen_request(0)])
@@ -507,7 +567,9 @@ def test_server_dying_mid_batch_keeps_received_responses(tmp_path):
         path = tmp_path / "responses.sqlite"
         async with ScriptedServer(delay_s=0.02, die_after=5) as server:
             with ResponseCache(path) as cache:
-                async with LiveClient([strong(server, max_in_flight=2)], cache=cache, retry=FAST_RETRY) as client:
+                async with LiveClient(
+                    [strong(server, max_in_flight=2)], cache=cache, retry=FAST_RETRY
+                ) as client:
                     with pytest.raises(ServerUnavailableError) as info:
                         await client.run_batch(requests)
                 kept = len(cache)
@@ -531,7 +593,7 @@ def test_secrets_never_reach_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", token)
 
     async def scenario():
-        script = lambda body, index: Reply(contents=[f"my token is {token}\nRESULT: (A)"])  # noqa: E731
+        script = lambda body, index: Reply(contents=[f"my token is {token}\nRESULT: (A)"])
         async with ScriptedServer(script) as server:
             with ResponseCache(tmp_path / "c.sqlite", extra_secrets=[key]) as cache:
                 async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY, api_key=key) as client:
@@ -561,7 +623,9 @@ def test_unreachable_server_is_named():
 def test_wrong_served_model_name():
     async def scenario():
         async with ScriptedServer(served=("llama",)) as server:
-            with pytest.raises(MeshHealError, match=r"serves \['llama'\], not 'strong'.*--served-model-name strong"):
+            with pytest.raises(
+                MeshHealError, match=r"serves \['llama'\], not 'strong'.*--served-model-name strong"
+            ):
                 async with LiveClient([strong(server)], retry=FAST_RETRY):
                     pass
 
@@ -570,11 +634,38 @@ def test_wrong_served_model_name():
 
 def test_configured_model_id_wins_and_unknown_role_is_refused():
     async def scenario():
-        async with ScriptedServer(root="/models/local-copy") as server:
-            async with LiveClient([strong(server, model_id=STRONG_ROOT)], retry=FAST_RETRY) as client:
-                assert client.model_ids["strong"] == STRONG_ROOT
-                with pytest.raises(MeshHealError, match="no server configured"):
-                    await client.run_batch([gen_request(0, role="weak")])
+        async with (
+            ScriptedServer(root="/models/local-copy") as server,
+            LiveClient([strong(server, model_id=STRONG_ROOT)], retry=FAST_RETRY) as client,
+        ):
+            assert client.model_ids["strong"] == STRONG_ROOT
+            with pytest.raises(MeshHealError, match="no server configured"):
+                await client.run_batch([gen_request(0, role="weak")])
+
+    run(scenario())
+
+
+def test_api_key_is_sent_and_a_wrong_one_is_named():
+    async def scenario():
+        async with ScriptedServer(api_key="sk-right-key-123") as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY, api_key="sk-right-key-123") as client:
+                (response,) = await client.run_batch([gen_request(0)])
+                assert response.parse_status == (PARSE_OK,)
+            with pytest.raises(MeshHealError, match="refused the API key"):
+                async with LiveClient([strong(server)], retry=FAST_RETRY, api_key="sk-wrong-key-456"):
+                    pass
+
+    run(scenario())
+
+
+def test_model_id_disagreeing_with_the_server_is_refused():
+    async def scenario():
+        async with ScriptedServer(root=STRONG_ROOT) as server:
+            with pytest.raises(
+                MeshHealError, match=r"serves \['openai/gpt-oss-120b'\] but the strong model id"
+            ):
+                async with LiveClient([strong(server, model_id=WEAK_ROOT)], retry=FAST_RETRY):
+                    pass
 
     run(scenario())
 

@@ -9,16 +9,16 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from meshheal_jax import data, prompts  # noqa: E402
-from meshheal_jax.errors import MeshHealError  # noqa: E402
-from meshheal_jax.prompts import (  # noqa: E402
+from meshheal_jax import data, prompts
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.prompts import (
     ANCHORS,
     ReplyParseError,
     RoundOneView,
     TaskText,
     abilities_of,
 )
-from meshheal_jax.topology import load_profile  # noqa: E402
+from meshheal_jax.topology import load_profile
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,10 @@ def test_parse_inference_good_replies(bbh):
     )
     assert prompts.parse_inference('{"abilities": ["temporal", "linguistic"]}', bbh) == expected
     assert prompts.parse_inference('{"abilities": ["Linguistic", " temporal "]}', bbh) == expected
-    assert prompts.parse_inference('Sure.\n```json\n{"abilities": ["linguistic","temporal"]}\n```', bbh) == expected
+    assert (
+        prompts.parse_inference('Sure.\n```json\n{"abilities": ["linguistic","temporal"]}\n```', bbh)
+        == expected
+    )
     assert prompts.parse_inference('["temporal", "linguistic"]', bbh) == expected
 
 
@@ -185,7 +188,10 @@ def _review_text(bbh, stage, accepted=()):
     task = TaskText("bbh", "How many instruments?", "object_counting", accepted=accepted)
     return _user(
         prompts.review_messages(
-            task, stage, "There are 8 instruments.\nRESULT: 8", abilities_of(bbh, ["mathematical"]),
+            task,
+            stage,
+            "There are 8 instruments.\nRESULT: 8",
+            abilities_of(bbh, ["mathematical"]),
             abilities_of(bbh, ["mathematical", "symbolic"]),
         )
     )
@@ -194,11 +200,23 @@ def _review_text(bbh, stage, accepted=()):
 def test_contribute_review_prompt_facts(bbh):
     text = _review_text(bbh, "contribute")
     assert "Judge ONLY that delegated part" in text and "only with an ability" in text
-    for field in ("half_correct", "in_scope", "normal_working_score", "confidence", "specific_failure_found",
-                  "failure_type", "failure_evidence", "one_sentence_reason"):
+    for field in (
+        "half_correct",
+        "in_scope",
+        "normal_working_score",
+        "confidence",
+        "specific_failure_found",
+        "failure_type",
+        "failure_evidence",
+        "one_sentence_reason",
+    ):
         assert field in text
-    for anchor in ("1.00: sound", "0.50: you cannot verify", "0.25: it contains a concrete correctness error",
-                   "0.00: unusable"):
+    for anchor in (
+        "1.00: sound",
+        "0.50: you cannot verify",
+        "0.25: it contains a concrete correctness error",
+        "0.00: unusable",
+    ):
         assert anchor in text
     assert "0.40 or lower" in text and "over_reach" in text and "never by itself" in text
     assert "give 0.50 with confidence low" in text
@@ -217,8 +235,13 @@ def test_finalize_review_prompt_facts(bbh):
 def test_committee_round2_shows_both_round1_reviews(bbh):
     task = TaskText("bbh", "Q?", "object_counting")
     messages = prompts.committee_round2_messages(
-        task, "contribute", "out", abilities_of(bbh, ["spatial"]), abilities_of(bbh, ["spatial"]),
-        own=RoundOneView(0.25, "It counts the stoves."), other=RoundOneView(1.0, "Looks right."),
+        task,
+        "contribute",
+        "out",
+        abilities_of(bbh, ["spatial"]),
+        abilities_of(bbh, ["spatial"]),
+        own=RoundOneView(0.25, "It counts the stoves."),
+        other=RoundOneView(1.0, "Looks right."),
     )
     text = _user(messages)
     assert "round 2" in text
@@ -244,8 +267,13 @@ def test_parse_review_good():
     verdict = prompts.parse_review(_review_json(), "contribute")
     assert verdict.score == 1.0 and verdict.confidence == "high" and not verdict.parse_failed
     low = prompts.parse_review(
-        _review_json(half_correct=0.25, normal_working_score=0.25, specific_failure_found=True,
-                     failure_type="wrong_half", failure_evidence="4 stoves are instruments"),
+        _review_json(
+            half_correct=0.25,
+            normal_working_score=0.25,
+            specific_failure_found=True,
+            failure_type="wrong_half",
+            failure_evidence="4 stoves are instruments",
+        ),
         "contribute",
     )
     assert low.score == 0.25 and low.adjustment == ""
@@ -253,11 +281,21 @@ def test_parse_review_good():
 
 
 def test_parse_review_snaps_and_tolerates_wrappers():
-    assert prompts.parse_review(_review_json(half_correct=0.7, normal_working_score=0.7), "contribute").score == 0.75
-    assert prompts.parse_review(_review_json(half_correct="1", normal_working_score="1"), "contribute").score == 1.0
-    fenced = "Here is my review:\n```json\n" + _review_json(half_correct=0.5, normal_working_score=0.5) + "\n```"
+    assert (
+        prompts.parse_review(_review_json(half_correct=0.7, normal_working_score=0.7), "contribute").score
+        == 0.75
+    )
+    assert (
+        prompts.parse_review(_review_json(half_correct="1", normal_working_score="1"), "contribute").score
+        == 1.0
+    )
+    fenced = (
+        "Here is my review:\n```json\n" + _review_json(half_correct=0.5, normal_working_score=0.5) + "\n```"
+    )
     assert prompts.parse_review(fenced, "contribute").score == 0.5
-    chatty = "Thinking... {not json} then " + _review_json(confidence="Medium", failure_type="None") + " done."
+    chatty = (
+        "Thinking... {not json} then " + _review_json(confidence="Medium", failure_type="None") + " done."
+    )
     assert prompts.parse_review(chatty, "contribute").confidence == "medium"
 
 
@@ -269,10 +307,20 @@ def test_scope_and_mismatch_never_lower_the_score():
 
 
 def test_low_score_without_evidence_becomes_neutral():
-    no_evidence = _review_json(half_correct=0.0, normal_working_score=0.0, specific_failure_found=True,
-                               failure_type="other", failure_evidence="")
-    over_reach = _review_json(half_correct=0.25, normal_working_score=0.25, specific_failure_found=True,
-                              failure_type="over_reach", failure_evidence="it also solved part B")
+    no_evidence = _review_json(
+        half_correct=0.0,
+        normal_working_score=0.0,
+        specific_failure_found=True,
+        failure_type="other",
+        failure_evidence="",
+    )
+    over_reach = _review_json(
+        half_correct=0.25,
+        normal_working_score=0.25,
+        specific_failure_found=True,
+        failure_type="over_reach",
+        failure_evidence="it also solved part B",
+    )
     for reply in (no_evidence, over_reach):
         verdict = prompts.parse_review(reply, "contribute")
         assert verdict.score == 0.5 and verdict.adjustment == "unsupported_low_score"
@@ -314,7 +362,9 @@ def test_review_parser_fallback_is_neutral():
     assert parser.parse(_review_json()).score == 1.0
 
 
-@pytest.mark.parametrize("value, expected", [(0, 0.0), (0.1, 0.0), (0.26, 0.25), (0.5, 0.5), (0.9, 1.0), (1.1, 1.0)])
+@pytest.mark.parametrize(
+    "value, expected", [(0, 0.0), (0.1, 0.0), (0.26, 0.25), (0.5, 0.5), (0.9, 1.0), (1.1, 1.0)]
+)
 def test_snap_score(value, expected):
     assert prompts.snap_score(value) == expected
 
@@ -332,8 +382,14 @@ def test_snap_score_rejects(value):
 def test_candidate_prompt(bbh):
     task = TaskText("bbh", "Q?", "object_counting")
     text = _user(
-        prompts.candidate_messages(task, "finalize", "RESULT: 9", abilities_of(bbh, ["mathematical"]),
-                                   abilities_of(bbh, ["mathematical"]), reviews=["Counted the lamps."])
+        prompts.candidate_messages(
+            task,
+            "finalize",
+            "RESULT: 9",
+            abilities_of(bbh, ["mathematical"]),
+            abilities_of(bbh, ["mathematical"]),
+            reviews=["Counted the lamps."],
+        )
     )
     assert "corrected version" in text and "final answer" in text
     assert "RESULT: 9" in text and "Counted the lamps." in text and "RESULT: <answer>" in text
@@ -342,8 +398,13 @@ def test_candidate_prompt(bbh):
 def test_synthesis_prompt(bbh):
     task = TaskText("bbh", "Q?", "object_counting", accepted=(prompts.PriorOutput("draft text"),))
     text = _user(
-        prompts.synthesis_messages(task, "contribute", ["cand one", "cand two"],
-                                   abilities_of(bbh, ["spatial"]), abilities_of(bbh, ["spatial"]))
+        prompts.synthesis_messages(
+            task,
+            "contribute",
+            ["cand one", "cand two"],
+            abilities_of(bbh, ["spatial"]),
+            abilities_of(bbh, ["spatial"]),
+        )
     )
     assert "[Candidate 1]\ncand one" in text and "[Candidate 2]\ncand two" in text
     assert "ONE replacement partial result" in text and "draft text" in text
@@ -356,7 +417,9 @@ def test_synthesis_prompt(bbh):
 
 
 def test_parse_execution_answers():
-    reply = prompts.parse_execution("COMPETENCE_MATCH:partial\nSo x = 2.\nRESULT: \\boxed{\\frac{1}{2}}", "math")
+    reply = prompts.parse_execution(
+        "COMPETENCE_MATCH:partial\nSo x = 2.\nRESULT: \\boxed{\\frac{1}{2}}", "math"
+    )
     assert reply.competence == "partial" and reply.answer == "\\frac{1}{2}"
     assert prompts.parse_execution("COMPETENCE_MATCH:yes\nRESULT: (B)", "bbh").answer == "(B)"
     assert prompts.parse_execution("The answer is C.", "mmlu_pro").answer == "C"

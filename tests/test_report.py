@@ -72,7 +72,7 @@ def test_recovery_report(recovery_run):
     result = recovery_run.summary["results"][0]
     assert f"| {report.fmt(result['phases'][0]['acc'])} |" in text
     assert "| A5 (agent 4) | 43–126 |" in text and "| A3 (agent 2) | 85–168 |" in text
-    assert "![Recovery trajectory, seed 3 (math, pair default)](trajectory_seed3.png)" in text
+    assert "![Recovery trajectory, seed 3 (math, pair default, meshheal)](trajectory_seed3.png)" in text
     assert "![Accuracy per phase](phase_accuracy.png)" in text
     assert_png(recovery_run.run_dir / "trajectory_seed3.png")
     assert_png(recovery_run.run_dir / "phase_accuracy.png")

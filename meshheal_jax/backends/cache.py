@@ -20,7 +20,7 @@ import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from meshheal_jax.errors import MeshHealError
 
@@ -121,7 +121,7 @@ class ResponseCache:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> ResponseCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

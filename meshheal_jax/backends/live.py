@@ -43,12 +43,13 @@ import asyncio
 import dataclasses
 import email.utils
 import hashlib
+import importlib
 import math
 import os
 import random
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 from meshheal_jax.backends.cache import ResponseCache, cache_key
 from meshheal_jax.errors import MeshHealError
@@ -236,10 +237,13 @@ class ServerStats:
 
 @dataclasses.dataclass
 class LiveStats:
+    """Counts over a client's life. http_requests / transport_retries count what went over the wire;
+    the other counts are per logical call, whether its replies were sent or came from the cache."""
+
     http_requests: int = 0  # attempts sent, retries included
     cache_hits: int = 0
     transport_retries: int = 0
-    n_fallback_calls: int = 0  # separate requests sent because a server returned fewer choices
+    n_fallback_calls: int = 0  # separate calls for samples a server left out of an n-request (cached too)
     parse_retries: int = 0
     parse_failures: int = 0
     prompt_tokens: int = 0
@@ -259,20 +263,23 @@ def _import_openai():
     return openai
 
 
+def _http_library(client_or_class: Any):
+    """The HTTP library (httpx, or httpx2 for openai >= 3) a client class belongs to."""
+    cls = client_or_class if isinstance(client_or_class, type) else type(client_or_class)
+    for name in ("httpx2", "httpx"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if issubclass(cls, module.AsyncClient):
+            return module
+    raise MeshHealError("live backend: cannot tell which HTTP library this openai SDK uses")
+
+
 def _http_client(openai_module, connections: int, retry: RetryPolicy):
     """The SDK's own async HTTP client class with a pool of `connections` and our timeouts."""
     client_cls = openai_module.DefaultAsyncHttpxClient
-    lib = None
-    for name in ("httpx2", "httpx"):
-        try:
-            module = __import__(name)
-        except ImportError:
-            continue
-        if issubclass(client_cls, module.AsyncClient):
-            lib = module
-            break
-    if lib is None:  # pragma: no cover - an SDK built on something else entirely
-        raise MeshHealError("live backend: cannot tell which HTTP library this openai SDK uses")
+    lib = _http_library(client_cls)
     return client_cls(
         limits=lib.Limits(max_connections=connections, max_keepalive_connections=connections),
         timeout=lib.Timeout(retry.request_timeout_s, connect=retry.connect_timeout_s),
@@ -328,7 +335,9 @@ class LiveClient:
             self.groups[group.role] = group
         self.cache = cache
         self.retry = retry
-        self._api_key = api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), "EMPTY")
+        self._api_key = api_key or next(
+            (os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), "EMPTY"
+        )
         self._servers: dict[str, list[_Server]] = {}
         self._turn: dict[str, int] = {}
         self.model_ids: dict[str, str] = {}
@@ -355,7 +364,9 @@ class LiveClient:
                     client = self._openai.AsyncOpenAI(
                         base_url=url, api_key=self._api_key, http_client=http, max_retries=0
                     )
-                    server = _Server(ServerStats(url, role), client, http, asyncio.Semaphore(group.max_in_flight))
+                    server = _Server(
+                        ServerStats(url, role), client, http, asyncio.Semaphore(group.max_in_flight)
+                    )
                     servers.append(server)
                     self._servers[role] = servers
                     roots.add(await self._check_server(server, group))
@@ -373,12 +384,17 @@ class LiveClient:
                 headers={"Authorization": f"Bearer {self._api_key}"},
                 timeout=self.retry.connect_timeout_s,
             )
-        except Exception as err:  # any transport failure: refused, DNS, timeout
+        except (_http_library(server.http).TransportError, OSError) as err:  # refused, DNS, timeout
             raise ServerUnavailableError(
                 f"live backend: the {group.role} server at {url} is unreachable "
                 f"({type(err).__name__}: {err or 'no detail'}); start it (serving/vllm_pair.sh) or fix "
                 f"the {group.role} URL"
             ) from None
+        if reply.status_code in (401, 403):
+            raise MeshHealError(
+                f"live backend: the {group.role} server at {url} refused the API key (HTTP "
+                f"{reply.status_code}); set VLLM_API_KEY (or MESHHEAL_API_KEY) to the key it was started with"
+            )
         if reply.status_code != 200:
             raise ServerUnavailableError(
                 f"live backend: GET {url}/models answered HTTP {reply.status_code}; is this an "
@@ -388,7 +404,9 @@ class LiveClient:
             entries = reply.json()["data"]
             names = {str(entry["id"]): entry.get("root") for entry in entries}
         except (ValueError, KeyError, TypeError):
-            raise ServerUnavailableError(f"live backend: GET {url}/models did not return a model list") from None
+            raise ServerUnavailableError(
+                f"live backend: GET {url}/models did not return a model list"
+            ) from None
         if group.served_name not in names:
             raise MeshHealError(
                 f"live backend: the {group.role} server at {url} serves {sorted(names)}, not "
@@ -398,9 +416,16 @@ class LiveClient:
         return names[group.served_name]
 
     def _resolve_model_id(self, group: ServerGroup, roots: set[str | None]) -> str:
-        if group.model_id:
-            return group.model_id
         known = {root for root in roots if root}
+        if group.model_id:
+            hub_ids = {root for root in known if not root.startswith(("/", "."))}  # not a local path
+            if hub_ids and hub_ids != {group.model_id}:
+                raise MeshHealError(
+                    f"live backend: the {group.role} server serves {sorted(hub_ids)} but the {group.role} "
+                    f"model id is given as {group.model_id!r}; the response cache is keyed by the real "
+                    f"model id, so they must agree"
+                )
+            return group.model_id
         if len(known) == 1 and None not in roots:
             return known.pop()
         if len(known) > 1:
@@ -416,13 +441,10 @@ class LiveClient:
     async def aclose(self) -> None:
         for servers in self._servers.values():
             for server in servers:
-                try:
-                    await server.client.close()
-                except Exception:  # pragma: no cover - closing a broken client
-                    pass
+                await server.client.close()
         self._servers = {}
 
-    async def __aenter__(self) -> LiveClient:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -457,7 +479,9 @@ class LiveClient:
             kept = f"the {done} completed call(s) and every reply received are saved in {self.cache.path}; re-run to resume"
         else:
             kept = "no response cache is configured, so the received replies are not kept"
-        raise type(first)(f"{first} [{len(failures)} of {len(requests)} calls of this round failed; {kept}]") from first
+        raise type(first)(
+            f"{first} [{len(failures)} of {len(requests)} calls of this round failed; {kept}]"
+        ) from first
 
     async def _complete(self, request: CallRequest) -> CallResponse:
         model_id = self.model_ids[request.role]
@@ -581,9 +605,7 @@ class LiveClient:
         openai = self._openai
         group = self.groups[request.role]
         wire: dict[str, Any] = {
-            key: value
-            for key, value in params.items()
-            if value is not None and key != "reasoning_effort"
+            key: value for key, value in params.items() if value is not None and key != "reasoning_effort"
         }
         if params.get("reasoning_effort"):
             wire["extra_body"] = {"reasoning_effort": params["reasoning_effort"]}
@@ -703,7 +725,7 @@ class SyncLiveClient:
         finally:
             self._runner.close()
 
-    def __enter__(self) -> SyncLiveClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -734,7 +756,9 @@ def trace_rows(requests: Sequence[CallRequest], responses: Sequence[CallResponse
                 "latency_s": response.latency_s,
                 "parse_status": ",".join(response.parse_status),
                 "parse_failures": response.parse_failures,
-                "scores": None if all(s is None for s in scores) else [math.nan if s is None else s for s in scores],
+                "scores": None
+                if all(s is None for s in scores)
+                else [math.nan if s is None else s for s in scores],
                 "answers": None if all(a is None for a in answers) else answers,
                 "from_cache": response.from_cache,
             }

@@ -1,0 +1,10 @@
+"""The five baselines of spec/baselines.md in MeshHeal's world: agentnet, raps, autogen, sac, symphony.
+
+Each is one module (its parameters as a frozen dataclass with the published defaults, its state,
+its pure update functions and `task_step`) and runs through `run.run_baseline_streams`, one
+compiled program per method: a scan over a stream's tasks, vmapped over streams.
+"""
+
+from meshheal_jax.baselines.run import METHODS, BaselineSpec, run_baseline_streams, simulate
+
+__all__ = ["METHODS", "BaselineSpec", "run_baseline_streams", "simulate"]

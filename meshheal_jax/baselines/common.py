@@ -1,0 +1,728 @@
+"""The shared world every baseline runs in (spec/baselines.md, spec/emulator.md).
+
+Same task order (streams), agents and abilities (Network), model-backed rule, degradation
+schedule, emulator call model (model parameter files) and distractor ids as MeshHeal. What is
+shared here:
+
+- `World` (per-stream constants, the health schedule read only by the backend functions) and
+  `Emu` (the pair's emulator parameters, with token figures for the baselines' own call kinds);
+- the backend functions `emulate_infer`, `emulate_generate`, `review_score` (the emulator's
+  rules, spec/emulator.md and docs/decisions.md E2/E4/E6/E7/E8, written independently of
+  engine.py);
+- `run_path`: one H/C/F execution (Handoff / Contribute / Finalize, protocol.md §3 without
+  review, isolation or probes) whose next-hop choice and on-arrival calls are the method's hooks;
+- the extra per-task uniforms a baseline needs beyond `draws.TaskDraws`, each derived as
+  `fold_in(draws.task_key(seed, dataset, t), field)` with a documented field id >= 100;
+- `Call` / `Review` record pytrees and the host-side conversion into `metrics.SCHEMAS` rows.
+
+Conventions (spec/architecture.md "Randomness"): Bernoulli(p) is `u < p`; a uniform pick among
+n candidates in increasing index is `min(floor(u n), n - 1)`; categoricals read the cumulative
+thresholds of the model files. Uniforms are float64, counts int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshheal_jax import draws as D
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
+from meshheal_jax.streams import HealthSchedule, Stream
+from meshheal_jax.topology import Network, Profile
+
+jax.config.update("jax_enable_x64", True)
+
+INF = 2**30  # unreachable hop distance (named sentinel, see STYLE.md)
+TOL = 1e-9  # threshold tolerance in favour of crossing (spec/architecture.md)
+STRONG, WEAK = 0, 1
+ROLE_NAMES = ("strong", "weak")
+
+# ------------------------------------------------------------------------------------------------
+# Call kinds, actions, end reasons
+# ------------------------------------------------------------------------------------------------
+
+KINDS = ("infer", "generate", "router", "watchdog", "select", "compose", "evaluate", "refine", "cot")
+K_INFER, K_GENERATE, K_ROUTER, K_WATCHDOG, K_SELECT, K_COMPOSE, K_EVALUATE, K_REFINE, K_COT = range(len(KINDS))
+# (ours) The model files carry token figures for MeshHeal's kinds only; each baseline kind uses the
+# figures of the closest MeshHeal kind: decision calls like InferAbilities, judgements like a
+# review sample, composing/refining like a synthesis, extra chain-of-thought samples like a
+# generation.
+TOKEN_SOURCE = {
+    "infer": "infer", "generate": "generate", "router": "infer", "watchdog": "review",
+    "select": "infer", "compose": "synthesis", "evaluate": "review", "refine": "synthesis",
+    "cot": "generate",
+}  # fmt: skip
+SCORED_KINDS = (K_WATCHDOG, K_EVALUATE)
+
+ACTIONS = (
+    "infer", "contribute", "finalize", "handoff", "forward", "select", "reselect", "compose",
+    "evaluate", "refine", "vote", "rerun",
+)  # fmt: skip
+(A_INFER, A_CONTRIBUTE, A_FINALIZE, A_HANDOFF, A_FORWARD, A_SELECT, A_RESELECT, A_COMPOSE,
+ A_EVALUATE, A_REFINE, A_VOTE, A_RERUN) = range(len(ACTIONS))  # fmt: skip
+ENDS = ("", "move budget", "unreachable ability", "no route", "forward limit")
+E_NONE, E_BUDGET, E_UNREACHABLE, E_NO_ROUTE, E_FORWARD_LIMIT = range(len(ENDS))
+REVIEW_ACTIONS = ("watchdog", "evaluate", "self_evaluate")
+R_WATCHDOG, R_EVALUATE, R_SELF_EVALUATE = range(len(REVIEW_ACTIONS))
+ROUTE_SEP = -2  # separates the routes of several executions of one task (SAC teams, plans)
+
+MAX_PATH_ROUTE = D.N_VISITS + 1  # entry + at most 8 moves (+1 spare)
+MAX_PATH_ACTIONS = 2 * D.N_VISITS + 2
+CALLS_PER_VISIT = 3  # on-arrival call (watchdog), generation, next-hop call (router)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The shared H/C/F move budget (protocol.md §3): moves since the last output and in all."""
+
+    route_limit: int = 4
+    move_limit: int = 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Extra per-task uniforms (field ids >= 100 never collide with draws.py's fields 0-3)
+# ------------------------------------------------------------------------------------------------
+
+FIELD_PARALLEL = 100  # (N_PARALLEL, PARALLEL_FLAT): draw layouts of extra parallel executions 1..4
+FIELD_CONTROL = 110  # (N_CONTROL, N_CALL_U): a method's control calls (router, selection, compose, SAC)
+N_PARALLEL = 4
+N_CONTROL = 32
+# One parallel execution's row of field 100, in order: entry (1), infer (N_INFER), route
+# (N_VISITS x N_ROUTE), calls (N_VISITS x N_CALL_SLOTS x N_CALL_U) -- the TaskDraws layout.
+_PARALLEL_SHAPES = ((), (D.N_INFER,), (D.N_VISITS, D.N_ROUTE), (D.N_VISITS, D.N_CALL_SLOTS, D.N_CALL_U))
+PARALLEL_FLAT = sum(int(np.prod(s)) for s in _PARALLEL_SHAPES)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TaskUniforms:
+    """Every uniform a baseline's task t may consume (leading axes added by batching)."""
+
+    task: D.TaskDraws  # draws.task_draws(seed, dataset, t): execution 0, exactly MeshHeal's draws
+    parallel: D.TaskDraws  # (N_PARALLEL,) leading axis: executions 1..4 (field 100)
+    control: jax.Array  # (N_CONTROL, N_CALL_U) control-call uniforms (field 110)
+
+    def execution(self, k: int) -> D.TaskDraws:
+        """The draw layout of parallel execution k (0 = the task's own draws)."""
+        if k == 0:
+            return self.task
+        return jax.tree_util.tree_map(lambda x: x[k - 1], self.parallel)
+
+
+def _field(key, field: int, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.uniform(jax.random.fold_in(key, field), shape, dtype=jnp.float64)
+
+
+def split_parallel(flat) -> D.TaskDraws:
+    """(..., PARALLEL_FLAT) uniforms -> a TaskDraws with the same leading axes."""
+    lead = flat.shape[:-1]
+    parts, start = [], 0
+    for shape in _PARALLEL_SHAPES:
+        size = int(np.prod(shape))
+        parts.append(flat[..., start : start + size].reshape(lead + shape))
+        start += size
+    return D.TaskDraws(*parts)
+
+
+def extra_uniforms(seed, dataset_id, t) -> tuple[D.TaskDraws, jax.Array]:
+    """Fields 100 (parallel executions) and 110 (control calls) of task t."""
+    key = D.task_key(seed, dataset_id, t)
+    return split_parallel(_field(key, FIELD_PARALLEL, (N_PARALLEL, PARALLEL_FLAT))), _field(
+        key, FIELD_CONTROL, (N_CONTROL, D.N_CALL_U))  # fmt: skip
+
+
+def task_uniforms(seed, dataset_id, t) -> TaskUniforms:
+    parallel, control = extra_uniforms(seed, dataset_id, t)
+    return TaskUniforms(D.task_draws(seed, dataset_id, t), parallel, control)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _stream_extras(seed, dataset_id, n_tasks: int):
+    ts = jnp.arange(1, n_tasks + 1, dtype=jnp.int32)
+    return jax.vmap(extra_uniforms, in_axes=(None, None, 0))(seed, dataset_id, ts)
+
+
+def stream_uniforms(seed: int, dataset_id: int, n_tasks: int) -> TaskUniforms:
+    """Tasks 1..n_tasks' uniforms (numpy, leading (n_tasks,)); one compiled program per length,
+    shared by every method; the task draws come from draws.stream_draws itself."""
+    parallel, control = _stream_extras(jnp.int32(seed), jnp.int32(dataset_id), n_tasks)
+    task = D.stream_draws(seed, dataset_id, n_tasks)
+    return jax.tree_util.tree_map(np.asarray, TaskUniforms(task, parallel, control))
+
+
+# ------------------------------------------------------------------------------------------------
+# Pytrees: world, emulator parameters
+# ------------------------------------------------------------------------------------------------
+
+
+def pytree(cls):
+    """Frozen dataclass registered as a pytree (fields with metadata static=True are static)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+def static_field(default):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+@pytree
+class World:
+    """Per-stream constants. `degraded` is read only by the backend (role_of)."""
+
+    holds: jax.Array  # (N, A) bool
+    adjacency: jax.Array  # (N, N) bool
+    hop_distance: jax.Array  # (N, A) int32 hops to the nearest holder (static graph), INF if none
+    task_type: jax.Array  # (n_tasks,) int32
+    true_pair: jax.Array  # (T,) int32 documented pair of each task type
+    pair_abilities: jax.Array  # (P, A) bool, P padded to T
+    pair_valid: jax.Array  # (P,) bool
+    type_abilities: jax.Array  # (T, A) bool: the abilities of each task type's documented pair
+    degraded: jax.Array  # (n_tasks + 1, N) bool  [backend only]
+    seed: jax.Array  # () int32
+    dataset_id: jax.Array  # () int32
+
+
+@pytree
+class Emu:
+    """The pair's emulator parameters; axis 0 of every (2, ...) field is (strong, weak)."""
+
+    p_infer: jax.Array  # (2,)
+    p_part: jax.Array  # (2, T)
+    p_rescue: jax.Array  # (2,)
+    p_decide: jax.Array  # (2,)
+    p_fix: jax.Array  # (2,)
+    p_keep: jax.Array  # (2,)
+    answer_fraction: jax.Array  # (2,)
+    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], 4 anchors)
+    distractor_thr: jax.Array  # (2, n_distractors)
+    completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
+    prompt: jax.Array  # (2, len(KINDS)) int32 template tokens
+    question_tokens: jax.Array  # () int32
+
+
+def hop_distances(holds: np.ndarray, adjacency: np.ndarray) -> np.ndarray:
+    """(N, A) BFS hops from each agent to the nearest holder of each ability (INF if none)."""
+    n, a = holds.shape
+    dist = np.where(holds, 0, INF).astype(np.int64)
+    for _ in range(n):
+        through = np.where(adjacency[:, :, None], dist[None, :, :] + 1, INF).min(axis=1)
+        dist = np.minimum(dist, through)
+    return np.minimum(dist, INF).astype(np.int32)
+
+
+def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> World:
+    profile = network.profile
+    n_types = len(profile.task_types)
+    pair_abilities = np.zeros((n_types, len(profile.abilities)), dtype=bool)
+    for k, pair in enumerate(profile.pairs):
+        pair_abilities[k, sorted(pair)] = True
+    true_pair = np.asarray([profile.pair_index(ty) for ty in range(n_types)], dtype=np.int32)
+    if schedule.n_agents != network.n_agents or schedule.n_tasks != stream.n_tasks:
+        raise MeshHealError(
+            f"schedule is for {schedule.n_agents} agents / {schedule.n_tasks} tasks, "
+            f"stream and network have {network.n_agents} / {stream.n_tasks}"
+        )
+    return World(
+        holds=jnp.asarray(network.holds), adjacency=jnp.asarray(network.adjacency),
+        hop_distance=jnp.asarray(hop_distances(network.holds, network.adjacency)),
+        task_type=jnp.asarray(stream.task_type, dtype=jnp.int32), true_pair=jnp.asarray(true_pair),
+        pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(profile.pairs),
+        type_abilities=jnp.asarray(pair_abilities[true_pair]),
+        degraded=jnp.asarray(schedule.degraded_matrix()),
+        seed=jnp.int32(stream.seed), dataset_id=jnp.int32(stream.dataset_id),
+    )  # fmt: skip
+
+
+def make_emu(pair: Pair, profile: Profile) -> Emu:
+    models = (pair.strong, pair.weak)
+    if pair.strong.n_distractors != pair.weak.n_distractors:
+        raise MeshHealError("both models of a pair must have the same n_distractors")
+    f = lambda x: jnp.asarray(x, dtype=jnp.float64)  # noqa: E731
+    thr = np.zeros((2, 2, 2, 4))
+    for r, m in enumerate(models):
+        for a, author in enumerate(("strong_author", "weak_author")):
+            for c in (0, 1):
+                thr[r, a, c] = m.review_thresholds(author, bool(c))
+    return Emu(
+        p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
+        p_rescue=f([m.p_rescue for m in models]), p_decide=f([m.p_decide for m in models]),
+        p_fix=f([m.p_fix for m in models]), p_keep=f([m.p_keep for m in models]),
+        answer_fraction=f([m.answer_fraction for m in models]), review_thr=f(thr),
+        distractor_thr=f([m.distractor_thresholds() for m in models]),
+        completion=jnp.asarray([[m.completion_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], jnp.int32),
+        prompt=jnp.asarray([[m.prompt_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], jnp.int32),
+        question_tokens=jnp.int32(profile.question_tokens),
+    )  # fmt: skip
+
+
+assert set(TOKEN_SOURCE.values()) <= set(CALL_KINDS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Small pure helpers (the draw conventions)
+# ------------------------------------------------------------------------------------------------
+
+
+def pick_index(u, n):
+    """min(floor(u n), n - 1) as int32 (n >= 1)."""
+    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
+
+
+def pick_from_mask(u, mask):
+    """The k-th True entry in increasing index, k = pick_index(u, count); -1 if none."""
+    count = mask.sum()
+    k = pick_index(u, jnp.maximum(count, 1))
+    position = jnp.argmax(jnp.cumsum(mask) == k + 1)
+    return jnp.where(count > 0, position, -1).astype(jnp.int32)
+
+
+def categorical(u, thresholds):
+    """The first k with u < thresholds[..., k] (elementwise over u's shape)."""
+    u = jnp.asarray(u)
+    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(jnp.int32)
+
+
+def first_true(mask):
+    return jnp.argmax(mask).astype(jnp.int32)
+
+
+def last_true(mask):
+    return (mask.shape[-1] - 1 - jnp.argmax(mask[::-1])).astype(jnp.int32)
+
+
+def select_tree(cond, a, b):
+    return jax.tree_util.tree_map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# The backend: model-backed rule and the emulator's call model
+# ------------------------------------------------------------------------------------------------
+
+
+def role_of(world: World, agent, ability, t):
+    """Model-backed rule: STRONG iff the agent is healthy at task t and (no ability, or held)."""
+    agent = jnp.maximum(agent, 0)
+    held = jnp.where(ability < 0, True, world.holds[agent, jnp.maximum(ability, 0)])
+    return jnp.where(world.degraded[t, agent] | ~held, WEAK, STRONG).astype(jnp.int32)
+
+
+def completion_tokens(emu: Emu, role, kind, u):
+    lo, hi = emu.completion[role, kind, 0], emu.completion[role, kind, 1]
+    return jnp.minimum(lo + jnp.floor(u * (hi - lo + 1).astype(jnp.float64)).astype(jnp.int32), hi)
+
+
+def visible_tokens(emu: Emu, role, completion):
+    return jnp.floor(completion.astype(jnp.float64) * emu.answer_fraction[role]).astype(jnp.int32)
+
+
+def distractor(emu: Emu, role, u):
+    """A wrong final answer's id: 1 + categorical over the writing model's distractor thresholds."""
+    return 1 + categorical(u, emu.distractor_thr[role])
+
+
+def review_score(emu: Emu, reviewer_role, author_role, correct, u):
+    """One review sample on the anchors (reviewer model, author model, judged output correct?)."""
+    thresholds = emu.review_thr[reviewer_role, author_role, jnp.asarray(correct).astype(jnp.int32)]
+    return jnp.asarray(ANCHORS)[categorical(u, thresholds)]
+
+
+@pytree
+class Call:
+    """One model call as the calls table records it (a fixed slot; `valid` masks unused slots)."""
+
+    valid: jax.Array  # bool
+    kind: jax.Array  # KINDS index
+    visit: jax.Array  # the execution's moves count on arrival at the calling agent
+    agent: jax.Array  # calling agent
+    author: jax.Array  # author of the judged/refined output, -1 none
+    ability: jax.Array  # the ability the call is about, -1 none
+    role: jax.Array  # STRONG / WEAK (which model served it)
+    prompt: jax.Array  # int32
+    completion: jax.Array  # int32
+    score: jax.Array  # float64, NaN where the kind has no score
+    answer_id: jax.Array  # final-answer id carried by the call, -1 none
+    correct: jax.Array  # latent truth for the trace: 1 / 0, -1 none
+
+
+def make_call(valid, kind, visit, agent, role, prompt, completion, *, author=-1, ability=-1,
+              score=jnp.nan, answer_id=-1, correct=-1) -> Call:  # fmt: skip
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    valid = jnp.asarray(valid, dtype=bool)
+    call = Call(
+        valid=valid, kind=i32(kind), visit=i32(visit), agent=i32(agent), author=i32(author),
+        ability=i32(ability), role=i32(role), prompt=jnp.where(valid, i32(prompt), 0),
+        completion=jnp.where(valid, i32(completion), 0), score=jnp.asarray(score, jnp.float64),
+        answer_id=i32(answer_id), correct=i32(correct),
+    )  # fmt: skip
+    return broadcast(call)
+
+
+def broadcast(tree):
+    """Broadcast every leaf to the leaves' common shape (records built from arrays and scalars)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, jnp.broadcast_arrays(*leaves))
+
+
+def no_call() -> Call:
+    return make_call(False, 0, 0, -1, 0, 0, 0)
+
+
+@pytree
+class Review:
+    """A judgement a method makes (RAPS watchdog, SAC evaluation) in the reviews table."""
+
+    valid: jax.Array  # bool
+    action: jax.Array  # REVIEW_ACTIONS index
+    visit: jax.Array
+    author: jax.Array
+    ability: jax.Array
+    reviewer: jax.Array
+    score: jax.Array  # float64
+    author_role: jax.Array  # which model wrote the judged output [backend, records only]
+    correct: jax.Array  # bool: judged output correct [backend, records only]
+
+
+def make_review(valid, action, visit, author, ability, reviewer, score, author_role, correct) -> Review:
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    return broadcast(Review(
+        valid=jnp.asarray(valid, dtype=bool), action=i32(action), visit=i32(visit), author=i32(author),
+        ability=i32(ability), reviewer=i32(reviewer), score=jnp.asarray(score, jnp.float64),
+        author_role=i32(author_role), correct=jnp.asarray(correct, dtype=bool),
+    ))  # fmt: skip
+
+
+def no_review() -> Review:
+    return make_review(False, 0, 0, -1, -1, -1, 0.0, 0, False)
+
+
+def stack(trees):
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def concat(trees):
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *trees)
+
+
+def flatten(tree):
+    """Merge the leading two axes of every leaf."""
+    return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
+def emulate_infer(emu: Emu, world: World, agent, t, task_type, u_infer, visit=0, valid=True):
+    """InferAbilities by `agent` (no ability: strong iff healthy). Returns (pair, pair_ok, call)."""
+    role = role_of(world, agent, -1, t)
+    true_pair = world.true_pair[task_type]
+    others = world.pair_valid & (jnp.arange(world.pair_valid.shape[0]) != true_pair)
+    ok = (u_infer[D.INFER_CORRECT] < emu.p_infer[role]) | ~others.any()
+    inferred = jnp.where(ok, true_pair, pick_from_mask(u_infer[D.INFER_WRONG_PAIR], others)).astype(jnp.int32)
+    call = make_call(
+        valid, K_INFER, visit, agent, role, emu.prompt[role, K_INFER] + emu.question_tokens,
+        completion_tokens(emu, role, K_INFER, u_infer[D.INFER_TOKENS]), correct=ok.astype(jnp.int32),
+    )  # fmt: skip
+    return inferred, ok, call
+
+
+class Generation(NamedTuple):
+    part_ok: jax.Array  # bool: the part's latent bit
+    answer_ok: jax.Array  # bool: final answer correct (finalize only, else False)
+    answer_id: jax.Array  # int32: 0 gold, k >= 1 distractor (finalize only, else -1)
+    role: jax.Array  # which model wrote it
+    tokens: jax.Array  # visible output tokens (what later calls see)
+
+
+def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, finalize, pair_ok, draft_ok,
+                     draft_tokens, u, visit, valid=True, kind=K_GENERATE) -> tuple[Generation, Call]:  # fmt: skip
+    """A Contribute part or a Finalize answer (decisions E4, E6, E7)."""
+    role = role_of(world, agent, ability, t)
+    part_ok = u[D.U_MAIN] < emu.p_part[role, task_type]
+    answer_ok = jnp.where(
+        pair_ok, part_ok & (draft_ok | (u[D.U_AUX] < emu.p_rescue[role])), u[D.U_AUX] < emu.p_part[WEAK, task_type]
+    )  # fmt: skip
+    answer_ok = answer_ok & finalize
+    answer_id = jnp.where(finalize, jnp.where(answer_ok, 0, distractor(emu, role, u[D.U_DISTRACTOR])), -1)
+    completion = completion_tokens(emu, role, kind, u[D.U_TOKENS])
+    prompt = emu.prompt[role, kind] + emu.question_tokens + draft_tokens
+    call = make_call(
+        valid, kind, visit, agent, role, prompt, completion, author=agent, ability=ability, answer_id=answer_id,
+        correct=jnp.where(finalize, answer_ok, part_ok).astype(jnp.int32),
+    )  # fmt: skip
+    return Generation(part_ok, answer_ok, answer_id.astype(jnp.int32), role, visible_tokens(emu, role, completion)), call
+
+
+# ------------------------------------------------------------------------------------------------
+# One H/C/F execution with method hooks
+# ------------------------------------------------------------------------------------------------
+
+
+@pytree
+class Path:
+    """One execution's state (protocol.md §3 without review, isolation or probes)."""
+
+    agent: jax.Array  # current agent
+    covered: jax.Array  # (A,) bool
+    moves: jax.Array  # moves so far (= the next visit's index)
+    since: jax.Array  # moves since the last output
+    done: jax.Array  # bool
+    answered: jax.Array  # bool
+    end: jax.Array  # ENDS index
+    draft_ok: jax.Array  # bool: every accepted part correct [backend]
+    draft_tokens: jax.Array  # visible tokens of the accepted parts
+    pending: jax.Array  # bool: an output the next agent receives (RAPS watchdog)
+    out_author: jax.Array
+    out_ability: jax.Array
+    out_ok: jax.Array  # [backend]
+    out_role: jax.Array  # [backend]
+    out_tokens: jax.Array
+    out_visit: jax.Array  # visit at which the pending output was produced
+    out_context: jax.Array  # draft tokens the pending output was produced on
+    answer_ok: jax.Array  # [backend]
+    answer_id: jax.Array
+    answer_role: jax.Array  # [backend]
+    answer_tokens: jax.Array
+    finalizer: jax.Array  # -1 until answered
+    fin_ability: jax.Array
+    route: jax.Array  # (MAX_PATH_ROUTE,) agents in order, -1 padding
+    route_len: jax.Array
+    actions: jax.Array  # (MAX_PATH_ACTIONS,) ACTIONS indices, -1 padding
+    n_actions: jax.Array
+
+
+def _log(path: Path, action, cond) -> Path:
+    actions = jnp.where(cond, path.actions.at[path.n_actions].set(action), path.actions)
+    return dataclasses.replace(path, actions=actions, n_actions=path.n_actions + cond.astype(jnp.int32))
+
+
+def start_path(n_abilities: int, entry) -> Path:
+    i, b = jnp.int32(0), jnp.bool_(False)
+    path = Path(
+        agent=jnp.int32(entry), covered=jnp.zeros(n_abilities, bool), moves=i, since=i, done=b, answered=b,
+        end=i, draft_ok=jnp.bool_(True), draft_tokens=i, pending=b, out_author=i - 1, out_ability=i - 1,
+        out_ok=b, out_role=i, out_tokens=i, out_visit=i, out_context=i, answer_ok=b, answer_id=i - 1,
+        answer_role=i, answer_tokens=i, finalizer=i - 1, fin_ability=i - 1,
+        route=jnp.full(MAX_PATH_ROUTE, -1, jnp.int32).at[0].set(entry), route_len=jnp.int32(1),
+        actions=jnp.full(MAX_PATH_ACTIONS, -1, jnp.int32), n_actions=i,
+    )  # fmt: skip
+    return _log(path, A_INFER, jnp.bool_(True))
+
+
+class Hop(NamedTuple):
+    """A next-hop decision: the agent (or -1), the end reason if none, the call it cost."""
+
+    agent: jax.Array
+    end: jax.Array
+    call: Call
+
+
+Arrive = Callable  # (mstate, path, visit) -> (mstate, Call, Review)
+Choose = Callable  # (mstate, path, visit, missing) -> (mstate, Hop)
+
+
+def no_arrival(mstate, path, visit):
+    return mstate, no_call(), no_review()
+
+
+def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_calls, *, choose: Choose,
+             arrive: Arrive = no_arrival, mstate=None, budget: Budget = Budget(), forward_limit: int | None = None,
+             move_action: int = A_HANDOFF):  # fmt: skip
+    """Route one task from `entry` until a Finalize (or a budget/route failure).
+
+    Per visit v (= moves on arrival): the on-arrival hook (e.g. the receiver's watchdog on the
+    output it just received), then Contribute/Finalize if the agent holds a missing ability
+    (generation uniforms u_calls[v, GENERATE]), then, unless finished, the next hop chosen by the
+    method's hook. Budget checks come before the hook is asked (a task out of budget makes no
+    router call). Returns (mstate, path, calls (N_VISITS * CALLS_PER_VISIT,), reviews (N_VISITS,)).
+    """
+
+    def visit(carry, v):
+        mstate, path = carry
+        active = ~path.done
+        # 1. the on-arrival hook sees the pending output
+        new_m, call_a, review = arrive(mstate, path, v)
+        mstate = select_tree(active & path.pending, new_m, mstate)
+        call_a = dataclasses.replace(call_a, valid=call_a.valid & active & path.pending)
+        review = dataclasses.replace(review, valid=review.valid & active & path.pending)
+        path = dataclasses.replace(path, pending=jnp.bool_(False))
+        # 2. Contribute / Finalize
+        i = path.agent
+        missing = required & ~path.covered
+        held = world.holds[i] & missing
+        work = active & held.any()
+        s = first_true(held)
+        finalize = ~jnp.any(missing & ~held)
+        gen, call_g = emulate_generate(emu, world, t, task_type, i, s, finalize, pair_ok, path.draft_ok,
+                                       path.draft_tokens, u_calls[v, D.GENERATE], v, valid=work)  # fmt: skip
+        finished = work & finalize
+        contributed = work & ~finalize
+        path = _log(path, jnp.where(finalize, A_FINALIZE, A_CONTRIBUTE), work)
+        path = dataclasses.replace(
+            path,
+            done=path.done | finished, answered=path.answered | finished,
+            answer_ok=jnp.where(finished, gen.answer_ok, path.answer_ok),
+            answer_id=jnp.where(finished, gen.answer_id, path.answer_id),
+            answer_role=jnp.where(finished, gen.role, path.answer_role),
+            answer_tokens=jnp.where(finished, gen.tokens, path.answer_tokens),
+            finalizer=jnp.where(finished, i, path.finalizer), fin_ability=jnp.where(finished, s, path.fin_ability),
+            covered=jnp.where(contributed, path.covered.at[s].set(True), path.covered),
+            since=jnp.where(contributed, 0, path.since),
+            pending=contributed, out_author=jnp.where(contributed, i, path.out_author),
+            out_ability=jnp.where(contributed, s, path.out_ability),
+            out_ok=jnp.where(contributed, gen.part_ok, path.out_ok),
+            out_role=jnp.where(contributed, gen.role, path.out_role),
+            out_tokens=jnp.where(contributed, gen.tokens, path.out_tokens),
+            out_visit=jnp.where(contributed, v, path.out_visit),
+            out_context=jnp.where(contributed, path.draft_tokens, path.out_context),
+            draft_ok=jnp.where(contributed, path.draft_ok & gen.part_ok, path.draft_ok),
+            draft_tokens=jnp.where(contributed, path.draft_tokens + gen.tokens, path.draft_tokens),
+        )  # fmt: skip
+        # 3. the next hop
+        need = active & ~finished
+        over_budget = (path.moves + 1 > budget.move_limit) | (path.since + 1 > budget.route_limit)
+        over_forwards = jnp.bool_(False) if forward_limit is None else path.moves + 1 > forward_limit
+        ask = need & ~over_budget & ~over_forwards
+        missing = required & ~path.covered
+        new_m, hop = choose(mstate, path, v, missing)
+        mstate = select_tree(ask, new_m, mstate)
+        call_c = dataclasses.replace(hop.call, valid=hop.call.valid & ask)
+        failed = need & (over_budget | over_forwards | (hop.agent < 0))
+        end = jnp.where(over_forwards, E_FORWARD_LIMIT, jnp.where(over_budget, E_BUDGET, hop.end))
+        moved = ask & (hop.agent >= 0)
+        path = _log(path, move_action, moved)
+        path = dataclasses.replace(
+            path,
+            done=path.done | failed, end=jnp.where(failed, end, path.end).astype(jnp.int32),
+            agent=jnp.where(moved, hop.agent, path.agent).astype(jnp.int32),
+            moves=path.moves + moved, since=path.since + moved,
+            route=jnp.where(moved, path.route.at[path.route_len].set(hop.agent), path.route),
+            route_len=path.route_len + moved,
+        )  # fmt: skip
+        return (mstate, path), (stack([call_a, call_g, call_c]), review)
+
+    path = start_path(world.holds.shape[1], entry)
+    (mstate, path), (calls, reviews) = jax.lax.scan(visit, (mstate, path), jnp.arange(D.N_VISITS, dtype=jnp.int32))
+    unfinished = ~path.done  # cannot happen with move_limit <= 8; kept as a guard
+    path = dataclasses.replace(path, done=jnp.bool_(True), end=jnp.where(unfinished, E_BUDGET, path.end))
+    return mstate, path, flatten(calls), reviews
+
+
+def shortest_path_hop(world: World, agent, missing, u_route_v) -> tuple[jax.Array, jax.Array]:
+    """The shared execution layer's next hop (protocol.md §3 on the static graph, no isolation):
+    a missing ability by the visit's HOP_ABILITY uniform, then a neighbour one hop closer to its
+    nearest holder by HOP_TIE. Returns (agent or -1, end reason)."""
+    s = pick_from_mask(u_route_v[D.HOP_ABILITY], missing)
+    d = world.hop_distance[agent, jnp.maximum(s, 0)]
+    hops = world.adjacency[agent] & (world.hop_distance[:, jnp.maximum(s, 0)] == d - 1)
+    j = pick_from_mask(u_route_v[D.HOP_TIE], hops)
+    bad = (d >= INF) | (s < 0) | (j < 0)
+    return jnp.where(bad, -1, j).astype(jnp.int32), jnp.where(bad, E_UNREACHABLE, E_NONE).astype(jnp.int32)
+
+
+def default_choose(world: World, u_route):
+    """The shared routing as a run_path hook (no model call)."""
+
+    def choose(mstate, path, v, missing):
+        j, end = shortest_path_hop(world, path.agent, missing, u_route[v])
+        return mstate, Hop(j, end, no_call())
+
+    return choose
+
+
+# ------------------------------------------------------------------------------------------------
+# A task's record
+# ------------------------------------------------------------------------------------------------
+
+
+@pytree
+class TaskOut:
+    """What one task leaves in the records (fixed shapes per method)."""
+
+    entry: jax.Array
+    route: jax.Array  # (R,) agents; ROUTE_SEP between executions; -1 padding
+    actions: jax.Array  # (M,) ACTIONS indices; -1 padding
+    moves: jax.Array
+    answered: jax.Array
+    correct: jax.Array  # [backend truth, records only]
+    answer_id: jax.Array
+    inferred_pair: jax.Array
+    pair_correct: jax.Array
+    end: jax.Array
+    calls: Call  # (K,)
+    reviews: Review  # (V,)
+
+
+def path_route(path: Path) -> jax.Array:
+    """The path's route followed by a separator."""
+    return jnp.concatenate([path.route, jnp.array([ROUTE_SEP], jnp.int32)])
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side: records -> metrics.SCHEMAS rows
+# ------------------------------------------------------------------------------------------------
+
+
+def _maybe(x, none_if):
+    return None if none_if else x
+
+
+def tables(out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict) -> dict[str, list[dict]]:
+    """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as lists of row dicts."""
+    models = (pair.strong.model, pair.weak.model)
+    degraded = schedule.degraded_matrix()
+    calls_rows, review_rows, task_rows = [], [], []
+    c = out.calls
+    for k, slot in zip(*np.nonzero(c.valid)):
+        t = int(k) + 1
+        kind = int(c.kind[k, slot])
+        score = float(c.score[k, slot])
+        answer_id = int(c.answer_id[k, slot])
+        correct = int(c.correct[k, slot])
+        calls_rows.append(dict(
+            labels, t=t, visit=int(c.visit[k, slot]), kind=KINDS[kind], agent=int(c.agent[k, slot]),
+            author=int(c.author[k, slot]), ability=int(c.ability[k, slot]), model=models[int(c.role[k, slot])],
+            prompt_tokens=int(c.prompt[k, slot]), completion_tokens=int(c.completion[k, slot]), latency_s=0.0,
+            parse_status="ok", score=_maybe(score, kind not in SCORED_KINDS or np.isnan(score)),
+            answer_id=_maybe(answer_id, answer_id < 0), correct=_maybe(bool(correct), correct < 0),
+        ))  # fmt: skip
+    r = out.reviews
+    for k, slot in zip(*np.nonzero(r.valid)):
+        t = int(k) + 1
+        author = int(r.author[k, slot])
+        score = float(r.score[k, slot])
+        ok = bool(r.correct[k, slot])
+        review_rows.append(dict(
+            labels, t=t, visit=int(r.visit[k, slot]), action=REVIEW_ACTIONS[int(r.action[k, slot])], author=author,
+            ability=int(r.ability[k, slot]), author_degraded=bool(degraded[t, author]),
+            author_model=ROLE_NAMES[int(r.author_role[k, slot])], part_correct=ok, probe=False,
+            reviewer=int(r.reviewer[k, slot]), u1=score, u2=None, u3=None, q0=score, s_u=None, committee=False,
+            committee_a=-1, committee_b=-1, v_a1=None, v_b1=None, v_a=None, v_b=None, q=score, takeover=False,
+            correct_before=ok, correct_after=ok, z=None, state_before=None, state_after=None,
+        ))  # fmt: skip
+    n_calls = c.valid.sum(axis=1)
+    prompt = np.where(c.valid, c.prompt, 0).sum(axis=1)
+    completion = np.where(c.valid, c.completion, 0).sum(axis=1)
+    for k in range(stream.n_tasks):
+        executions, current = [], []
+        for a in out.route[k]:
+            if a == ROUTE_SEP:
+                executions.append(current)
+                current = []
+            elif a >= 0:
+                current.append(str(int(a)))
+        if current:
+            executions.append(current)
+        answered = bool(out.answered[k])
+        task_rows.append(dict(
+            labels, t=k + 1, task_type=int(stream.task_type[k]), phase=int(stream.phase[k]), entry=int(out.entry[k]),
+            route="|".join("-".join(e) for e in executions if e),
+            actions=",".join(ACTIONS[int(a)] for a in out.actions[k] if a >= 0), moves=int(out.moves[k]),
+            answered=answered, correct=bool(out.correct[k]) and answered,
+            answer_id=int(out.answer_id[k]) if answered else -1, inferred_pair=int(out.inferred_pair[k]),
+            pair_correct=bool(out.pair_correct[k]), unreviewed=0, end=ENDS[int(out.end[k])],
+            calls=int(n_calls[k]), prompt_tokens=int(prompt[k]), completion_tokens=int(completion[k]),
+            tokens=int(prompt[k]) + int(completion[k]),
+        ))  # fmt: skip
+    return {"tasks": task_rows, "reviews": review_rows, "states": [], "calls": calls_rows}

@@ -1,0 +1,251 @@
+"""The live client against a REAL OpenAI-compatible server: `transformers serve` on a tiny
+random-weight Llama built here (tokenizer trained locally, 2 layers of width 64), on CPU, offline.
+Real HTTP, real chat templates and tokenization, real usage counts. Its replies are garbage, which
+is the point: parse failures and their retries, the n=3 fallback (this server ignores `n` and
+`response_format`), exact token accounting, the response cache and resuming an interrupted round.
+
+Marked `server` (deselect with `-m "not server"`); skipped with the reason when torch or
+`transformers serve` is not installed (`pip install -e .[test]` brings both)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("pydantic")
+
+from meshheal_jax import prompts
+from meshheal_jax.backends.cache import ResponseCache
+from meshheal_jax.backends.live import (
+    PARSE_FAILED,
+    PARSE_OK,
+    CallRequest,
+    LiveClient,
+    RetryPolicy,
+    ServerGroup,
+    request_seed,
+)
+
+FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.05, backoff_cap_s=0.2, request_timeout_s=60.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+# ----------------------------------------------------------------------------------------------
+# A real OpenAI-compatible server: `transformers serve` on a tiny random-weight Llama (CPU, offline)
+
+TINY_MODEL_ID = "local/tiny-random-llama"  # the "real model id" the cache key uses
+TINY_MAX_TOKENS = 4  # CPU decoding through transformers serve costs ~40 ms a token
+
+
+def build_tiny_llama(out_dir) -> None:
+    """A 2-layer, 64-wide random Llama with a BPE tokenizer trained here: no download."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = [
+        prompts.SYSTEM_PROMPT,
+        "RESULT: (A) COMPETENCE_MATCH:yes",
+        json.dumps({"half_correct": 0.5}),
+    ] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    fast.save_pretrained(out_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    for module in ("torch", "transformers", "tokenizers", "fastapi", "uvicorn"):
+        pytest.importorskip(module, reason="the real-server test needs transformers[serving] and torch")
+    exe = Path(sys.executable).with_name("transformers")
+    exe = str(exe) if exe.exists() else shutil.which("transformers")
+    if exe is None:
+        pytest.skip("`transformers serve` is unavailable: no transformers command on PATH")
+    probe = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=120, check=False)
+    if probe.returncode != 0 or "--device" not in probe.stdout:
+        pytest.skip("`transformers serve` is unavailable in this transformers version")
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny_llama(model_dir)
+    port = free_port()
+    log = model_dir.parent / "transformers-serve.log"
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(
+            [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"transformers serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"transformers serve not healthy after 120 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1", model_dir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+def tiny_round(model_dir: Path) -> list[CallRequest]:
+    """One round of a live run on two real BBH questions: inference, execution, initial review
+    (n=3) and committee round 2, built by the real prompt builders."""
+    from meshheal_jax import data
+    from meshheal_jax.topology import load_profile
+
+    profile = load_profile("bbh")
+    requests = []
+    for t, record in enumerate(data.load_sample("bbh")[:2]):
+        task = prompts.TaskText("bbh", record.question, record.task_type, record.options)
+        held = prompts.abilities_of(
+            profile, [profile.requires[profile.task_types.index(record.task_type)][0]]
+        )
+        seeds = [request_seed(11, 0, t, call) for call in range(4)]
+        base = {"stream": 0, "t": t, "role": "weak", "max_completion_tokens": TINY_MAX_TOKENS, "agent": 3}
+        requests += [
+            CallRequest(
+                **base, call_id=0, kind="infer", seed=seeds[0],
+                messages=prompts.inference_messages(profile, record.question, record.task_type),
+                response_format=prompts.inference_response_format(profile),
+                parser=prompts.inference_parser(profile, record.task_type),
+            ),
+            CallRequest(
+                **base, call_id=1, kind="generate", seed=seeds[1],
+                messages=prompts.execution_messages(task, held, "partial", "contribute"),
+                parser=prompts.execution_parser("bbh"),
+            ),
+            CallRequest(
+                **base, call_id=2, kind="review", seed=seeds[2], n=3, author=1,
+                messages=prompts.review_messages(task, "contribute", "I count 8.\nRESULT: 8", held, held),
+                response_format=prompts.review_response_format("contribute"),
+                parser=prompts.review_parser("contribute"),
+            ),
+            CallRequest(
+                **base, call_id=3, kind="committee2", seed=seeds[3], author=1,
+                messages=prompts.committee_round2_messages(
+                    task, "contribute", "I count 8.\nRESULT: 8", held, held,
+                    own=prompts.RoundOneView(0.25, "Lamps are not instruments."),
+                    other=prompts.RoundOneView(1.0, "Correct."),
+                ),
+                response_format=prompts.review_response_format("contribute"),
+                parser=prompts.review_parser("contribute"),
+            ),
+        ]  # fmt: skip
+    return requests
+
+
+@pytest.mark.server
+def test_real_transformers_server_end_to_end(tiny_server, tmp_path):
+    from transformers import AutoTokenizer
+
+    base_url, model_dir = tiny_server
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    group = ServerGroup(
+        "weak", (base_url,), model_id=TINY_MODEL_ID, served_name=str(model_dir), max_in_flight=4
+    )
+    requests = tiny_round(model_dir)
+    half = [r for r in requests if r.t == 0]
+    cache_path = tmp_path / "responses.sqlite"
+
+    async def one_run(batch):
+        with ResponseCache(cache_path) as cache:
+            async with LiveClient([group], cache=cache, retry=FAST_RETRY) as client:
+                responses = await client.run_batch(batch)
+                return responses, dataclasses.replace(client.stats)
+
+    # A run interrupted after the first task's calls, then resumed: only the second task's are sent.
+    partial, stats1 = run(one_run(half))
+    full, stats2 = run(one_run(requests))
+    assert [r.from_cache for r in full] == [q.t == 0 for q in requests]
+    assert stats2.http_requests == sum(r.http_calls for r, q in zip(full, requests, strict=True) if q.t == 1)
+    fresh = partial + [r for r, q in zip(full, requests, strict=True) if q.t == 1]
+    for request, response in zip(requests, fresh, strict=True):
+        rendered = tokenizer.apply_chat_template(
+            list(request.messages), add_generation_prompt=True, return_dict=True
+        )
+        prompt = len(rendered["input_ids"])  # what the server's usage must report per call
+        if request.kind == "review":
+            # the server ignores n: two more requests (seed + 1, + 2); garbage JSON: three retries
+            assert response.parse_status == (PARSE_FAILED,) * 3 and response.scores == (0.5, 0.5, 0.5)
+            assert response.http_calls == 6 and response.prompt_tokens == 6 * prompt
+        elif request.kind == "committee2":
+            assert response.parse_status == (PARSE_FAILED,) and response.scores == (0.5,)
+            assert response.http_calls == 2 and response.prompt_tokens == 2 * prompt
+        elif request.kind == "infer":
+            assert response.parse_status == (PARSE_FAILED,)
+            assert response.parsed[0] == request.parser.fallback  # the documented pair of the task type
+            assert response.prompt_tokens == 2 * prompt
+        elif response.parse_status == (PARSE_OK,):  # random text is still an execution reply, without answer
+            assert response.http_calls == 1 and response.prompt_tokens == prompt
+            assert response.parsed[0].text == response.texts[0] and response.parsed[0].answer is None
+        assert 0 < response.completion_tokens <= TINY_MAX_TOKENS * response.http_calls
+        assert response.model_id == TINY_MODEL_ID and not response.from_cache
+    assert (stats1.n_fallback_calls, stats2.n_fallback_calls) == (2, 4)  # logical counts include cache hits
+    assert stats2.parse_failures >= 2 * (3 + 1 + 1)
+
+    # The same round again: everything from the cache, nothing sent, identical results.
+    again, stats3 = run(one_run(requests))
+    assert stats3.http_requests == 0 and all(r.from_cache for r in again)
+    assert [r.texts for r in again] == [r.texts for r in fresh]
+    assert [r.parsed for r in again] == [r.parsed for r in fresh]
+    assert [(r.prompt_tokens, r.completion_tokens) for r in again] == [
+        (r.prompt_tokens, r.completion_tokens) for r in fresh
+    ]

@@ -1,0 +1,374 @@
+"""serving/vllm_pair.sh: the printed commands of each layout (--dry-run), the refusals (gated model
+without HF_TOKEN, bad settings), secrets never echoed, and the start -> ready -> stop flow run
+against a FAKE `vllm` executable (a stand-in on PATH that answers /health and /v1/models; vLLM
+itself needs CUDA and is not installed here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "serving" / "vllm_pair.sh"
+HF_SECRET = "hf_DoNotPrintThisToken42"
+API_SECRET = "sk-local-DoNotPrintThisKey"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def run_script(
+    *args: str, env: dict | None = None, timeout: float = 30, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHHEAL_") and k not in ("HF_TOKEN",)}
+    base["PATH"] = "/usr/bin:/bin"  # no vllm here unless a test puts its fake first
+    base.update(env or {})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def serve_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if " vllm serve " in line and not line.startswith("#")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dry runs
+
+
+def test_one_gpu_layout(tmp_path):
+    result = run_script(
+        "--layout", "one-gpu", "--dry-run", "--run-dir", str(tmp_path), env={"HF_TOKEN": HF_SECRET}
+    )
+    assert result.returncode == 0, result.stderr
+    strong, weak = serve_lines(result.stdout)
+    assert strong.startswith(
+        "CUDA_VISIBLE_DEVICES=0 vllm serve openai/gpt-oss-120b --served-model-name strong"
+    )
+    assert weak.startswith(
+        "CUDA_VISIBLE_DEVICES=0 vllm serve meta-llama/Llama-3.2-1B-Instruct --served-model-name weak"
+    )
+    for line, port, mem in ((strong, 8000, "0.77"), (weak, 8001, "0.15")):
+        assert f"--port {port}" in line and f"--gpu-memory-utilization {mem}" in line
+        assert "--host 127.0.0.1" in line and "--enable-prefix-caching" in line
+        assert (
+            "--generation-config vllm" in line
+            and "--max-model-len 32768" in line
+            and "--max-num-seqs 256" in line
+        )
+        assert "--data-parallel-size" not in line
+    out = result.stdout
+    assert out.index("--served-model-name strong") < out.index("/health is 200 and /v1/models lists 'strong'")
+    assert out.index("lists 'strong'") < out.index(
+        "--served-model-name weak"
+    )  # strong ready before weak starts
+    assert "--strong-url http://127.0.0.1:8000/v1 --weak-url http://127.0.0.1:8001/v1" in out
+    assert not (tmp_path / "strong.pid").exists()  # a dry run starts nothing
+
+
+def test_node8_layout():
+    result = run_script("--layout", "node8", "--dry-run", env={"HF_TOKEN": HF_SECRET})
+    assert result.returncode == 0, result.stderr
+    strong, weak = serve_lines(result.stdout)
+    assert strong.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6 vllm serve openai/gpt-oss-120b")
+    assert strong.endswith("--data-parallel-size 7")
+    assert weak.startswith("CUDA_VISIBLE_DEVICES=7 vllm serve meta-llama/Llama-3.2-1B-Instruct")
+    assert "--data-parallel-size" not in weak
+
+
+def test_multi_node_hints():
+    result = run_script("--layout", "multi-node", "--node-hosts", "gpu-a,gpu-b")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "--layout node8 --host 0.0.0.0" in out
+    assert "--strong-url http://gpu-a:8000/v1,http://gpu-b:8000/v1" in out
+    assert "--weak-url http://gpu-a:8001/v1,http://gpu-b:8001/v1" in out
+    head, worker, weak = serve_lines(out)
+    assert "--data-parallel-size 14 --data-parallel-size-local 7 --data-parallel-address gpu-a" in head
+    assert "--host 0.0.0.0" in head and "--served-model-name strong" in head
+    assert "--headless" in worker and "--data-parallel-start-rank 7" in worker
+    assert "--served-model-name weak" in weak
+
+
+def test_pairs_models_ports_and_env():
+    result = run_script(
+        "--pair", "A", "--dry-run", env={"HF_TOKEN": HF_SECRET, "MESHHEAL_STRONG_PORT": "9000"}
+    )
+    strong, weak = serve_lines(result.stdout)
+    assert "openai/gpt-oss-120b" in strong and "--port 9000" in strong and "google/gemma-3-4b-it" in weak
+    result = run_script(
+        "--pair",
+        "B",
+        "--layout",
+        "node8",
+        "--strong-tp",
+        "2",
+        "--dry-run",
+        "--weak-port=8100",
+        env={"HF_TOKEN": HF_SECRET},
+    )
+    strong, weak = serve_lines(result.stdout)
+    assert strong.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 vllm serve meta-llama/Llama-3.3-70B-Instruct")
+    assert "--tensor-parallel-size 2 --data-parallel-size 3" in strong and "--port 8100" in weak
+    result = run_script(
+        "--strong-model",
+        "/models/mine",
+        "--weak-model",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "--max-model-len",
+        "8192",
+        "--weak-max-num-seqs",
+        "64",
+        "--host",
+        "0.0.0.0",
+        "--dry-run",
+    )
+    strong, weak = serve_lines(result.stdout)
+    assert (
+        "vllm serve /models/mine" in strong
+        and "--max-model-len 8192" in strong
+        and "--host 0.0.0.0" in strong
+    )
+    assert "--max-num-seqs 64" in weak and "--max-num-seqs 256" in strong
+    assert "HF_TOKEN" not in result.stderr  # neither model is gated
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--layout", "one-gpu", "--dry-run"],
+        ["--layout", "node8", "--dry-run"],
+        ["--layout", "multi-node", "--node-hosts", "gpu-a,gpu-b"],
+    ],
+)
+def test_readme_shows_the_real_dry_run_output(args):
+    repo = SCRIPT.parents[1]
+    result = run_script(*args, env={"HF_TOKEN": HF_SECRET}, cwd=repo)
+    readme = (repo / "serving" / "README.md").read_text()
+    assert f"$ serving/vllm_pair.sh {' '.join(args)}\n{result.stdout}" in readme
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layout", "two-gpu"], "unknown layout"),
+        (["--pair", "C"], "unknown pair"),
+        (["--strong-mem", "0.85"], "share a GPU"),
+        (["--strong-mem", "1.5"], "memory fraction"),
+        (["--weak-port", "8000"], "different ports"),
+        (["--strong-gpus", "0;1"], "strong GPUs"),
+        (["--max-num-seqs", "many"], "positive integer"),
+        (["--bogus", "1"], "unknown option"),
+        (["--layout"], "needs a value"),
+        (["restart"], "unknown command"),
+    ],
+)
+def test_bad_settings_are_refused(args, message):
+    result = run_script(*args, "--dry-run", env={"HF_TOKEN": HF_SECRET})
+    assert result.returncode == 2 and message in result.stderr
+    assert not serve_lines(result.stdout)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF_TOKEN and secrets
+
+
+def test_refuses_to_start_a_gated_model_without_hf_token(tmp_path):
+    result = run_script("--run-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert (
+        "refusing to start" in result.stderr
+        and "meta-llama/Llama-3.2-1B-Instruct is a gated model" in result.stderr
+    )
+    assert "HF_TOKEN" in result.stderr
+    assert not serve_lines(result.stdout) and not list(tmp_path.iterdir())
+    dry = run_script("--dry-run")  # a dry run still prints, with a note
+    assert dry.returncode == 0 and "HF_TOKEN is not set" in dry.stderr
+    gemma = run_script("--pair", "A", "--run-dir", str(tmp_path))
+    assert gemma.returncode == 2 and "google/gemma-3-4b-it is a gated model" in gemma.stderr
+
+
+def test_secrets_are_never_echoed():
+    env = {"HF_TOKEN": HF_SECRET, "VLLM_API_KEY": API_SECRET}
+    for args in (
+        ["--dry-run"],
+        ["--layout", "node8", "--dry-run"],
+        ["--layout", "multi-node"],
+        ["--help"],
+        [],
+    ):
+        result = run_script(*args, env=env)
+        assert HF_SECRET not in result.stdout + result.stderr
+        assert API_SECRET not in result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Start, wait, stop against a fake vllm
+
+FAKE_VLLM = r'''#!PYTHON
+"""Fake `vllm serve` for the serving script's tests: answers /health and /v1/models."""
+import http.server, json, os, sys, time
+args = sys.argv[1:]
+def opt(name):
+    return args[args.index(name) + 1]
+name, port, host = opt("--served-model-name"), int(opt("--port")), opt("--host")
+def record(event):
+    with open(os.environ["FAKE_VLLM_RECORD"], "a") as f:
+        f.write(json.dumps({"event": event, "name": name, "argv": args, "t": time.time(),
+                            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            "token_seen": os.environ.get("HF_TOKEN") == os.environ.get("EXPECTED_TOKEN")}) + "\n")
+record("start")
+time.sleep(float(os.environ.get("FAKE_VLLM_LOAD_S", "0")))
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            code, body = 200, b""
+        elif self.path == "/v1/models":
+            code, body = 200, json.dumps({"object": "list", "data": [{"id": name, "root": args[1]}]}).encode()
+        else:
+            code, body = 404, b"{}"
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+server = http.server.HTTPServer((host, port), Handler)
+record("ready")
+print("fake vllm ready", flush=True)
+server.serve_forever()
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "vllm"
+    exe.write_text(FAKE_VLLM.replace("PYTHON", sys.executable))
+    exe.chmod(0o755)
+    record = tmp_path / "record.jsonl"
+    ports = (free_port(), free_port())
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "FAKE_VLLM_RECORD": str(record),
+        "FAKE_VLLM_LOAD_S": "1.0",
+        "HF_TOKEN": HF_SECRET,
+        "EXPECTED_TOKEN": HF_SECRET,
+        "VLLM_API_KEY": API_SECRET,
+        "MESHHEAL_WAIT_INTERVAL": "1",
+        "MESHHEAL_WAIT_TIMEOUT": "30",
+    }
+    args = [
+        "--run-dir",
+        str(tmp_path / "serving"),
+        "--strong-port",
+        str(ports[0]),
+        "--weak-port",
+        str(ports[1]),
+    ]
+    yield env, args, record, ports, tmp_path / "serving"
+    run_script("stop", "--run-dir", str(tmp_path / "serving"), env=env)  # never leave one running
+
+
+def answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def events(record: Path) -> list[dict]:
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def test_start_detached_then_stop(fake_vllm):
+    env, args, record, ports, run_dir = fake_vllm
+    result = run_script(*args, "--detach", env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "both servers ready" in result.stdout
+    order = [(e["name"], e["event"]) for e in events(record)]
+    assert order == [("strong", "start"), ("strong", "ready"), ("weak", "start"), ("weak", "ready")]
+    assert all(e["cuda"] == "0" and e["token_seen"] for e in events(record))  # vLLM gets HF_TOKEN from env
+    assert answers(ports[0]) and answers(ports[1])
+    for role in ("strong", "weak"):
+        assert (run_dir / f"{role}.pid").read_text().strip().isdigit()
+        assert f"--served-model-name {role}" in (run_dir / f"{role}.log").read_text()
+    logs = "".join(p.read_text() for p in run_dir.iterdir()) + result.stdout + result.stderr
+    assert HF_SECRET not in logs and API_SECRET not in logs
+    status = run_script("status", "--run-dir", str(run_dir), env=env)
+    assert "strong: running" in status.stdout and "weak: running" in status.stdout
+    again = run_script(*args, "--detach", env=env)
+    assert again.returncode == 2 and "already running" in again.stderr
+
+    stopped = run_script("stop", "--run-dir", str(run_dir), env=env, timeout=60)
+    assert stopped.returncode == 0
+    deadline = time.monotonic() + 10
+    while (answers(ports[0]) or answers(ports[1])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not answers(ports[0]) and not answers(ports[1])
+    assert not (run_dir / "strong.pid").exists() and not (run_dir / "weak.pid").exists()
+
+
+def test_ctrl_c_stops_both(fake_vllm):
+    env, args, _record, ports, run_dir = fake_vllm
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHHEAL_") and k != "HF_TOKEN"}
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), *args],
+        env={**base, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 40
+        while not any("Ctrl-C stops both" in line for line in lines) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        assert any("Ctrl-C stops both" in line for line in lines)
+        assert answers(ports[0]) and answers(ports[1])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=40) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while (answers(ports[0]) or answers(ports[1])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not answers(ports[0]) and not answers(ports[1])
+    assert not (run_dir / "strong.pid").exists()
+
+
+def test_server_that_dies_during_start_up_is_reported(fake_vllm):
+    env, args, _record, _ports, run_dir = fake_vllm
+    bad = run_dir.parent / "bin" / "vllm"
+    bad.write_text("#!/bin/sh\necho 'CUDA out of memory' >&2\nexit 1\n")
+    result = run_script(*args, env=env, timeout=60)
+    assert result.returncode == 2
+    assert "strong server exited during start-up" in result.stderr and "CUDA out of memory" in result.stderr
