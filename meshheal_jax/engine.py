@@ -979,11 +979,24 @@ def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry,
     if window is None:
         window = draw_window(world, carry.next_t, cfg.slots)
     carry = _take_tasks(cfg, p, world, carry, window)
-    net, slots, backend, draws = carry.net, carry.slots, carry.backend, carry.draws
     # 2. emit -> backend
-    requests = emit(cfg, p, world, slots)
-    backend, responses = emulate(cfg, p, world, backend, requests, draws)
-    # 3. absorb, in task order
+    requests = emit(cfg, p, world, carry.slots)
+    backend, responses = emulate(cfg, p, world, carry.backend, requests, carry.draws)
+    # 3. absorb
+    return absorb_round(cfg, p, world, dataclasses.replace(carry, backend=backend), requests, responses)
+
+
+def begin_round(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, Requests]:
+    """Live backends: idle slots take tasks, then the round's requests (one stream, no vmap)."""
+    carry = _take_tasks(cfg, p, world, carry, draw_window(world, carry.next_t, cfg.slots))
+    return carry, emit(cfg, p, world, carry.slots)
+
+
+def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, requests: Requests,
+                 responses: Responses) -> tuple[Carry, RoundRecords]:  # fmt: skip
+    """Absorb every slot's responses in task order. `carry.backend` is the backend's latent state
+    after the calls (read only for the records' truth columns)."""
+    net, slots, backend, draws = carry.net, carry.slots, carry.backend, carry.draws
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
 
     def absorb_one(n, state):
