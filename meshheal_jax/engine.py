@@ -1098,7 +1098,7 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
 
 
 def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int = 512,
-                tables: tuple[str, ...] = TABLES, on_chunk=None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+                tables: tuple[str, ...] = TABLES, on_chunk=None, on_progress=None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """Run streams of one shape as one vmapped program, `chunk` rounds per compiled call.
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
@@ -1120,6 +1120,8 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
         carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
         records = jax.tree_util.tree_map(np.asarray, records)
         frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
+        if on_progress is not None:
+            on_progress(int(np.minimum(np.asarray(carry.next_t) - 1, cfg.n_tasks).sum()), cfg.n_tasks * len(specs))
         if on_chunk is not None:
             on_chunk(k, frames)
         else:

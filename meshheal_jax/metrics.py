@@ -165,12 +165,60 @@ def review_audit(reviews: pl.DataFrame) -> dict:
     }  # fmt: skip
 
 
+def any_degraded(schedule: HealthSchedule) -> np.ndarray:
+    """(n_tasks,) bool: some agent is degraded during task t (index t - 1)."""
+    marks = np.zeros(schedule.n_tasks + 2, dtype=np.int64)
+    for _, begin, end in schedule.intervals:
+        marks[begin] += 1
+        marks[end] -= 1
+    return np.cumsum(marks)[1 : schedule.n_tasks + 1] > 0
+
+
+def end_states(states: pl.DataFrame) -> pl.DataFrame:
+    """Per (agent, t) with a change: the state at the END of task t (the last change at t)."""
+    return (states.with_row_index("order").sort("agent", "t", "order")
+            .group_by("agent", "t", maintain_order=True).agg(pl.col("to").last())
+            .sort("agent", "t"))  # fmt: skip
+
+
+def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
+    """Detection for large networks without a (tasks x agents) matrix: per degraded agent the
+    first task of its degraded interval at whose end it is isolated (same rule as
+    agent_outcomes), and whether it is isolated at the end of the interval."""
+    intervals = pl.DataFrame(list(schedule.intervals), schema={"agent": pl.Int64, "begin": pl.Int64, "end": pl.Int64},
+                             orient="row")  # fmt: skip
+    changes = end_states(states).with_columns(pl.col("agent").cast(pl.Int64), pl.col("t").cast(pl.Int64))
+
+    def state_at(col: str, shift: int) -> pl.DataFrame:
+        query = intervals.select("agent", (pl.col(col) + shift).alias("t")).sort("t")
+        joined = query.join_asof(changes.sort("t"), on="t", by="agent", strategy="backward", check_sortedness=False)
+        return joined.select("agent", pl.col("to").fill_null("normal").alias(col + "_state"))
+
+    first_isolation = (changes.join(intervals, on="agent")
+                       .filter((pl.col("to") == "isolated") & (pl.col("t") > pl.col("begin")) & (pl.col("t") < pl.col("end")))
+                       .group_by("agent").agg(pl.col("t").min().alias("first")))  # fmt: skip
+    table = (intervals.join(state_at("begin", 0), on="agent").join(state_at("end", -1), on="agent")
+             .join(first_isolation, on="agent", how="left")
+             .with_columns(pl.when(pl.col("begin_state") == "isolated").then(pl.col("begin"))
+                           .otherwise(pl.col("first")).alias("detected")))  # fmt: skip
+    delays = (table["detected"] - table["begin"]).drop_nulls()
+    return {
+        "degraded": intervals.height,
+        "isolated_degraded": int((table["end_state"] == "isolated").sum()),
+        "missed": int(table["detected"].is_null().sum()),
+        "detection_delay_mean": float(delays.mean()) if delays.len() else None,
+        "detection_delay_median": float(delays.median()) if delays.len() else None,
+    }
+
+
 def stream_metrics(
     tasks: pl.DataFrame, reviews: pl.DataFrame, states: pl.DataFrame,
-    schedule: HealthSchedule, phase_names: Sequence[str],
+    schedule: HealthSchedule, phase_names: Sequence[str], per_agent: bool = True,
 ) -> dict:  # fmt: skip
+    """Every per-stream number the summary aggregates over seeds. per_agent=False (large
+    networks) replaces the per-agent outcome list by scale_outcomes' counts."""
     """Every per-stream number the summary aggregates over seeds."""
-    degraded_rows = schedule.degraded_matrix()[1:].any(axis=1)  # (n_tasks,) any agent degraded
+    degraded_rows = any_degraded(schedule)
     tasks = tasks.sort("t")
     tasks = tasks.with_columns(pl.Series("any_degraded", degraded_rows[tasks["t"].to_numpy() - 1]))
     healthy, degraded = tasks.filter(~pl.col("any_degraded")), tasks.filter(pl.col("any_degraded"))
@@ -186,7 +234,8 @@ def stream_metrics(
                        "calls_per_task": mean(part, "calls")})  # fmt: skip
     to_isolated = states.filter(pl.col("to") == "isolated")
     false_iso = to_isolated.filter(~pl.col("degraded"))
-    agents = agent_outcomes(states, schedule)
+    agents = agent_outcomes(states, schedule) if per_agent else []
+    scale = {} if per_agent else scale_outcomes(states, schedule)
     return {
         "acc_healthy": acc_h,
         "acc_degraded": acc_d,
@@ -199,10 +248,11 @@ def stream_metrics(
         "unreviewed_outputs": int(tasks["unreviewed"].sum()),
         "phases": phases,
         "agents": agents,
-        "missed": sum(a["detection_delay"] is None for a in agents),
+        "missed": scale["missed"] if scale else sum(a["detection_delay"] is None for a in agents),
+        **{k: v for k, v in scale.items() if k != "missed"},
         "false_isolations": false_iso.height,
         "false_isolated_agents": false_iso["agent"].n_unique(),
-        "review_audit": review_audit(reviews),
+        "review_audit": review_audit(reviews) if reviews.height or per_agent else {},
     }
 
 
@@ -211,12 +261,13 @@ SCALAR_KEYS = (
     "calls_per_task_degraded", "tokens_per_task_healthy", "tokens_per_task_degraded",
     "unanswered", "unreviewed_outputs", "missed", "false_isolations", "false_isolated_agents",
 )  # fmt: skip
+SCALE_KEYS = ("degraded", "isolated_degraded", "detection_delay_mean", "detection_delay_median")
 
 
 def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
     """Per-seed metric dicts of one (method, dataset, pair) -> stats over seeds."""
     out: dict = {"seeds": list(seeds)}
-    for key in SCALAR_KEYS:
+    for key in SCALAR_KEYS + tuple(k for k in SCALE_KEYS if k in per_seed[0]):
         out[key] = stat([m[key] for m in per_seed])
     first = per_seed[0]
     out["phases"] = [

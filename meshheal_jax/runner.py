@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import shutil
@@ -18,12 +19,12 @@ from pathlib import Path
 import polars as pl
 from rich.progress import Progress
 
-from meshheal_jax import metrics, reference
+from meshheal_jax import graphs, metrics, reference
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
 from meshheal_jax.streams import HealthSchedule, RECOVERY_PHASES, make_stream, persistent_schedule, recovery_schedule
-from meshheal_jax.topology import build_network, load_profile
+from meshheal_jax.topology import Network, build_network, load_profile, replicate_holds
 
 TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
@@ -43,7 +44,11 @@ class Experiment:
     backend: str = "emulated"
     n_agents: int = 6
     n_tasks: int = 504
-    degraded: tuple[int, ...] = (2, 4)  # main: agents degraded from the midpoint
+    degraded: tuple[int, ...] | None = (2, 4)  # degraded from the midpoint; None = A3/A5 of every replica
+    topology: str = "complete"  # complete | sparse (graphs.sparse_edges) | file (edges_file)
+    graph_seed: int = 0
+    edges_file: Path | None = None
+    tables: tuple[str, ...] = ("tasks", "reviews", "states", "calls")  # record tables kept
     protocol: ProtocolParams = ProtocolParams()
     profiles_dir: Path | None = None
     params_dir: Path | None = None
@@ -59,6 +64,14 @@ class Experiment:
             raise MeshHealError("the reference engine runs one task at a time: use --slots 1 or --engine jax")
         if not 1 <= self.slots <= max(self.n_agents // 6, 1):
             raise MeshHealError(f"slots must be in 1..{max(self.n_agents // 6, 1)} (at most N/6), got {self.slots}")
+        if self.topology not in ("complete", "sparse", "file") or (self.topology == "file") != (self.edges_file is not None):
+            raise MeshHealError(f"topology must be complete, sparse, or file with an edges file; got {self.topology!r}")
+        if self.n_agents % 6 or self.n_agents <= 0:
+            raise MeshHealError(f"agents must be a positive multiple of 6, got {self.n_agents}")
+        if self.topology == "complete" and self.n_agents > 2304:
+            raise MeshHealError(f"a complete graph of {self.n_agents} agents is not supported (at most 2,304); use --sparse")
+        if not set(self.tables) <= set(TABLES) or "tasks" not in self.tables:
+            raise MeshHealError(f"tables must include tasks and be among {TABLES}, got {self.tables}")
         if self.backend != "emulated":
             raise MeshHealError(f"backend {self.backend!r} is not available (only 'emulated' so far)")
         for dataset in self.datasets:
@@ -66,6 +79,8 @@ class Experiment:
         for pair in self.pairs:
             load_pair(pair, self.params_dir)
         self.schedule()
+        for dataset in self.datasets:
+            self.network(dataset)
         starts, names = self.phases()
         for dataset in self.datasets:  # stream length and phases, before anything is written
             n_types = len(load_profile(dataset, self.profiles_dir).task_types)
@@ -76,7 +91,15 @@ class Experiment:
             if self.n_agents != 6:
                 raise MeshHealError("the recovery schedule is defined for the 6-agent network")
             return recovery_schedule(self.n_tasks)
-        return persistent_schedule(self.n_agents, self.n_tasks, self.degraded)
+        degraded = self.degraded
+        if degraded is None:
+            profile = load_profile(self.datasets[0], self.profiles_dir)
+            degraded = tuple(r * 6 + a for r in range(self.n_agents // 6) for a in profile.degraded_targets)
+        return persistent_schedule(self.n_agents, self.n_tasks, tuple(sorted(degraded)))
+
+    def network(self, dataset: str) -> Network:
+        """The dataset's replicated profile over the experiment's graph (checked; cached)."""
+        return _network(self.n_agents, self.topology, self.graph_seed, self.edges_file, dataset, self.profiles_dir)
 
     def phases(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         if self.name == "recovery":
@@ -93,6 +116,22 @@ class Experiment:
         for key in ("profiles_dir", "params_dir"):
             out[key] = None if out[key] is None else str(out[key])
         return out
+
+
+@functools.lru_cache(maxsize=16)
+def _network(n_agents: int, topology: str, graph_seed: int, edges_file: Path | None, dataset: str,
+             profiles_dir: Path | None) -> Network:  # fmt: skip
+    profile = load_profile(dataset, profiles_dir)
+    if topology == "complete":
+        return build_network(profile, n_agents)
+    holds = replicate_holds(profile, n_agents)
+    degraded = graphs.degraded_mask(profile.degraded_targets, n_agents)
+    if topology == "sparse":
+        edges = graphs.sparse_edges(holds, degraded, graph_seed, ability_names=profile.abilities)
+    else:
+        edges = graphs.load_edge_list(edges_file, n_agents)
+    graphs.check_requirements(holds, degraded, edges, ability_names=profile.abilities)
+    return build_network(profile, n_agents, edges=edges)
 
 
 def _git_revision() -> str | None:
@@ -153,7 +192,7 @@ def _part_dir(run_dir: Path, dataset: str, pair: str, seed: int) -> Path:
 
 def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int):
     profile = load_profile(dataset, exp.profiles_dir)
-    network = build_network(profile, exp.n_agents)
+    network = exp.network(dataset)
     starts, names = exp.phases()
     stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
     labels = {"method": exp.method, "dataset": dataset, "pair": pair_name, "seed": seed}
@@ -167,7 +206,7 @@ def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> 
     return {name: metrics.frame(name, getattr(records, name)) for name in TABLES}
 
 
-def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]]) -> list[dict[str, pl.DataFrame]]:
+def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None) -> list[dict[str, pl.DataFrame]]:
     """The JAX engine: every stream of one pair as one vmapped program."""
     from meshheal_jax import engine  # imported here: the reference path needs no compilation
 
@@ -175,7 +214,7 @@ def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]]) -> lis
     for dataset, pair_name, seed in streams:
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
-    return engine.run_streams(specs, exp.protocol, slots=exp.slots)
+    return engine.run_streams(specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress)
 
 
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
@@ -217,11 +256,16 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
                 if not batch:
                     continue
                 bar.update(job, description=f"{exp.name}: jax engine, pair={pair}, {len(batch)} streams")
-                for stream, frames in zip(batch, run_jax_streams(exp, batch)):
+                def tick(done: int, total: int, batch=batch) -> None:
+                    bar.update(job, description=f"{exp.name}: jax engine, pair={pair}, {len(batch)} streams, "
+                                                f"{done:,}/{total:,} tasks")  # fmt: skip
+
+                for stream, frames in zip(batch, run_jax_streams(exp, batch, tick)):
                     _write_part(_part_dir(run_dir, *stream), frames)
                     bar.advance(job)
     frames = {
         name: pl.concat([pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet") for s in exp.streams()])
+        if name in exp.tables else pl.DataFrame(schema=metrics.SCHEMAS[name])
         for name in TABLES
     }
     for name, df in frames.items():
@@ -244,12 +288,28 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
                     return df.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair) & (pl.col("seed") == seed))
 
                 per_seed.append(metrics.stream_metrics(
-                    pick(frames["tasks"]), pick(frames["reviews"]), pick(frames["states"]), schedule, phase_names
+                    pick(frames["tasks"]), pick(frames["reviews"]), pick(frames["states"]), schedule, phase_names,
+                    per_agent=exp.n_agents <= 6,
                 ))  # fmt: skip
             per_dataset[dataset] = per_seed
             results.append({"method": exp.method, "dataset": dataset, "pair": pair, **metrics.aggregate(per_seed, exp.seeds)})
         if len(exp.datasets) > 1:
             results.append({"method": exp.method, "dataset": "mean", "pair": pair,
                             **metrics.mean_over_datasets(per_dataset, exp.seeds)})  # fmt: skip
+    for r in results:
+        if r["dataset"] != "mean":
+            r.update(graph_facts(exp, r["dataset"]))
     return {"experiment": exp.name, "engine": exp.engine, "backend": exp.backend, "slots": exp.slots,
             "n_agents": exp.n_agents, "n_tasks": exp.n_tasks, "results": results}  # fmt: skip
+
+
+def graph_facts(exp: Experiment, dataset: str) -> dict:
+    """n_agents, topology, degraded, edges, edge fraction and max ability distance of a result."""
+    network = exp.network(dataset)
+    holds = network.holds
+    degraded = graphs.degraded_mask(network.profile.degraded_targets, exp.n_agents)
+    distance = graphs.ability_distances(holds, degraded, network.edges)
+    complete = exp.n_agents * (exp.n_agents - 1) // 2
+    return {"n_agents": exp.n_agents, "topology": exp.topology, "degraded": len(exp.schedule().intervals),
+            "edges": network.n_edges, "edge_fraction": network.n_edges / complete if complete else 0.0,
+            "max_ability_distance": int(distance.max(initial=0))}  # fmt: skip
