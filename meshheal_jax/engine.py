@@ -543,26 +543,33 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
         return jnp.where(isolated_relay, a, jnp.where(probing, b, jnp.where(handoff, c, d)))
 
     new_slot = jax.tree_util.tree_map(choose, relay_slot, probe_slot, handoff_slot, work_slot)
-    jj = jnp.maximum(j, 0)
-    probe_timer = net.probe_timer.at[jj].set(jnp.where(probing, t, net.probe_timer[jj]))
-    return probe_timer, new_slot
+    return jnp.where(probing, j, -1).astype(jnp.int32), new_slot
 
 
-def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
-    """Route until the slot needs a model call or finishes (only probe timers change in net)."""
+def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[jax.Array, Slots]:
+    """Route until the slot needs a model call or finishes. Returns the agent probed on the way
+    (-1 if none; at most one: a probe move always ends at a holder that works) and the slot."""
 
     def body(carry):
-        n, probe_timer, slot = carry
-        stepped = _route_step(p, world, dataclasses.replace(net, probe_timer=probe_timer), slot, t, draws_t)
+        n, probed, slot = carry
+        j, stepped = _route_step(p, world, net, slot, t, draws_t)
         active = slot.phase == ROUTE
-        return (n + 1, *jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, (probe_timer, slot)))
+        probed = jnp.where(active & (j >= 0), j, probed)
+        return n + 1, probed, jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, slot)
 
     def more(carry):
         n, _, slot = carry
         return (slot.phase == ROUTE) & (n < cfg.route_loop)
 
-    _, probe_timer, slot = jax.lax.while_loop(more, body, (jnp.int32(0), net.probe_timer, slot))
-    return dataclasses.replace(net, probe_timer=probe_timer), slot
+    _, probed, slot = jax.lax.while_loop(more, body, (jnp.int32(0), jnp.int32(-1), slot))
+    return probed, slot
+
+
+def stamp_probes(net: Net, probed, t) -> Net:
+    """Probe timers of the agents probed (probed -1 = none; several: the latest task wins)."""
+    n = net.probe_timer.shape[0]
+    index = jnp.where(probed >= 0, probed, n)  # n = out of bounds, dropped
+    return dataclasses.replace(net, probe_timer=net.probe_timer.at[index].max(t, mode="drop"))
 
 
 def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> Slots:
@@ -826,14 +833,29 @@ def _reviewers(world: World, net: Net, author, ability):
     return valid & (net.state[nbc] == NORMAL) & world.holds[nbc, ability]
 
 
-def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
-    """Apply one slot's responses; route until its next model call. Returns (net, slot, record)."""
+@pytree
+class Evidence:
+    """A slot's final score this round, if any (applied to the detector in task order)."""
+
+    valid: jax.Array  # bool
+    accepted: jax.Array  # bool: the output stands (evidence, or no reviewer at all)
+    author: jax.Array
+    task_type: jax.Array
+    ability: jax.Array
+    q: jax.Array
+    t: jax.Array
+
+
+def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
+    """Apply one slot's responses (review, committee, Takeover decisions) on the network as it
+    stands; returns (slot, evidence, record without the detector's observation)."""
     t, phase, ty = slot.t, slot.phase, world.task_type[jnp.maximum(slot.t - 1, 0)]
     u_route = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1)]
     n_calls = jnp.sum(resp.parse_ok)
-    slot = dataclasses.replace(slot, calls=slot.calls + n_calls,
-                               prompt_tokens=slot.prompt_tokens + resp.prompt_tokens.sum(),
-                               completion_tokens=slot.completion_tokens + resp.completion_tokens.sum())  # fmt: skip
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    slot = dataclasses.replace(slot, calls=i32(slot.calls + n_calls),
+                               prompt_tokens=i32(slot.prompt_tokens + resp.prompt_tokens.sum()),
+                               completion_tokens=i32(slot.completion_tokens + resp.completion_tokens.sum()))  # fmt: skip
     author, s = slot.agent, slot.ability
     nb = world.nbr[author]
     reviewers = _reviewers(world, net, author, s)
@@ -876,13 +898,20 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
 
     evidence = ((phase == REVIEW) & ~committee) | ((phase == ROUND2) & ~low) | (phase == SYNTH)
     accepted = evidence | ((phase == GENERATE) & no_reviewer)
-    net, obs = observe(p, world, net, author, ty, s, new.q, t, evidence)
     record = ReviewRecord(
         valid=evidence, t=t, visit=slot.moves, finalize=slot.finalize, author=author, ability=s,
         probe=slot.probe_visit, reviewer=new.reviewer, samples=new.samples, q0=new.q0, s_u=new.s_u,
         committee=new.committee, member_a=new.member_a, member_b=new.member_b, round1=new.round1,
-        round2=new.round2, q=new.q, takeover=new.committee & (phase == SYNTH), obs=obs,
+        round2=new.round2, q=new.q, takeover=new.committee & (phase == SYNTH), obs=_empty_review().obs,
     )  # fmt: skip
+    return new, Evidence(evidence, accepted, author, ty, s, new.q, t), record
+
+
+def absorb_route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, new: Slots, accepted, draws_t):
+    """After the round's evidence: an accepted output finalizes or hands off; then route until
+    the next model call. Returns (probed agent or -1, slot)."""
+    t, s = slot.t, slot.ability
+    u_route = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1)]
 
     # An accepted output: Finalize answers; Contribute covers its ability and hands off.
     finished = _finish(_log_action(new, A_FINALIZE), True, 0)
@@ -894,8 +923,15 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
     handed = dataclasses.replace(handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32))
     post = jax.tree_util.tree_map(lambda f, h: jnp.where(slot.finalize, f, h), finished, handed)
     new = jax.tree_util.tree_map(lambda a_, b_: jnp.where(accepted, a_, b_), post, new)
-    net, new = _route(cfg, p, world, net, new, t, draws_t)
-    return net, new, record
+    return _route(cfg, p, world, net, new, t, draws_t)
+
+
+def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
+    """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
+    new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
+    net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid)
+    probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)
+    return stamp_probes(net, probed, slot.t), new, dataclasses.replace(record, obs=obs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -943,34 +979,40 @@ def draw_window(world: World, first, width: int) -> DrawWindow:
     return DrawWindow(first, jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts))
 
 
-def task_draws(world: World, window: DrawWindow, t) -> D.TaskDraws:
-    """Task t's draws: from the window, or made on the spot when t lies beyond it (rare: more
-    tasks started in the chunk than the window's width). Identical either way."""
-    k = t - window.first
-    inside = (k >= 0) & (k < window.draws.entry.shape[0])
-    return jax.lax.cond(across_streams(~inside), lambda: D.task_draws(world.seed, world.dataset_id, t),
-                        lambda: at(window.draws, jnp.clip(k, 0, window.draws.entry.shape[0] - 1)))  # fmt: skip
+def slot_draws(world: World, window: DrawWindow, ts) -> D.TaskDraws:
+    """(S,) tasks' draws: gathered from the window, or made on the spot when some task lies
+    beyond it (rare: more tasks started in the chunk than the window's width). Identical either way."""
+    width = window.draws.entry.shape[0]
+    k = ts - window.first
+    inside = jnp.all((k >= 0) & (k < width))
+    return jax.lax.cond(across_streams(~inside),
+                        lambda: jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts),
+                        lambda: at(window.draws, jnp.clip(k, 0, width - 1)))  # fmt: skip
 
 
 def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry, window: DrawWindow) -> Carry:
-    """Idle slots take the next tasks, in slot order (continuous batching)."""
+    """Idle slots take the next tasks, in slot order (continuous batching); RawRelay from the
+    entry agent reads the network as it stands (vectorised over slots)."""
+    slots = carry.slots
+    idle = slots.phase == IDLE
+    ts = (carry.next_t + jnp.cumsum(idle) - 1).astype(jnp.int32)
+    wants = idle & (ts <= cfg.n_tasks)
+    ts = jnp.minimum(ts, cfg.n_tasks)
 
-    def take(k, carry):
-        slots, backend, draws, next_t = carry.slots, carry.backend, carry.draws, carry.next_t
-        wants = (slots.phase[k] == IDLE) & (next_t <= cfg.n_tasks)
+    def start():
+        draws = slot_draws(world, window, ts)
+        started = jax.vmap(lambda slot, t, d: dataclasses.replace(_start(cfg, p, world, carry.net, slot, t, d),
+                                                                  pair=jnp.int32(-1)))(slots, ts, draws)  # fmt: skip
 
-        def start():
-            t = jnp.minimum(next_t, cfg.n_tasks)
-            draws_t = task_draws(world, window, t)
-            started = dataclasses.replace(_start(cfg, p, world, carry.net, at(slots, k), t, draws_t), pair=jnp.int32(-1))
-            pick = functools.partial(jax.tree_util.tree_map, lambda a, b: jnp.where(wants, a, b))
-            return (put(slots, k, pick(started, at(slots, k))), put(backend, k, pick(fresh_backend_slot(), at(backend, k))),
-                    put(draws, k, pick(draws_t, at(draws, k))))  # fmt: skip
+        def pick(new, old):
+            return jax.tree_util.tree_map(lambda a, b: jnp.where(wants.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
 
-        slots, backend, draws = jax.lax.cond(across_streams(wants), start, lambda: (slots, backend, draws))
-        return dataclasses.replace(carry, slots=slots, backend=backend, draws=draws, next_t=next_t + wants)
+        fresh = jax.vmap(lambda _: fresh_backend_slot())(jnp.arange(cfg.slots))
+        return pick(started, slots), pick(fresh, carry.backend), pick(draws, carry.draws)
 
-    return jax.lax.fori_loop(0, cfg.slots, take, carry)
+    slots, backend, draws = jax.lax.cond(across_streams(wants.any()), start,
+                                         lambda: (slots, carry.backend, carry.draws))  # fmt: skip
+    return dataclasses.replace(carry, slots=slots, backend=backend, draws=draws, next_t=(carry.next_t + wants.sum()).astype(jnp.int32))
 
 
 def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry,
@@ -997,16 +1039,28 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
     """Absorb every slot's responses in task order. `carry.backend` is the backend's latent state
     after the calls (read only for the records' truth columns)."""
     net, slots, backend, draws = carry.net, carry.slots, carry.backend, carry.draws
+    # decisions of every slot on the network as it stands (vectorised over slots)
+    decided, evidence, reviews = jax.vmap(absorb_decide, in_axes=(None, None, None, None, 0, 0, 0))(
+        cfg, p, world, net, slots, responses, draws)  # fmt: skip
+    # the detector takes the round's evidence in task order
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
 
-    def absorb_one(n, state):
-        net, slots, reviews = state
+    def observe_one(n, state):
+        net, observations = state
         k = order[n]
-        net, one, record = absorb_slot(cfg, p, world, net, at(slots, k), at(responses, k), at(draws, k))
-        return net, put(slots, k, one), put(reviews, k, record)
+        ev = at(evidence, k)
+        net, obs = jax.lax.cond(
+            across_streams(ev.valid),
+            lambda: observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid),
+            lambda: (net, _empty_review().obs))  # fmt: skip
+        return net, put(observations, k, obs)
 
-    empty_reviews = jax.vmap(lambda _: _empty_review())(jnp.arange(cfg.slots))
-    net, slots, reviews = jax.lax.fori_loop(0, cfg.slots, absorb_one, (net, slots, empty_reviews))
+    net, observations = jax.lax.fori_loop(0, cfg.slots, observe_one, (net, reviews.obs))
+    reviews = dataclasses.replace(reviews, obs=observations)
+    # then every slot routes on the updated network (vectorised); probes stamp their timers
+    probed, slots = jax.vmap(absorb_route, in_axes=(None, None, None, None, 0, 0, 0, 0))(
+        cfg, p, world, net, slots, decided, evidence.accepted, draws)  # fmt: skip
+    net = stamp_probes(net, probed, slots.t)
     review_truth = jnp.stack([backend.part_ok.astype(jnp.int32), backend.part_role,
                               jnp.where(reviews.finalize, backend.answer_ok, backend.part_ok).astype(jnp.int32),
                               backend.result_ok.astype(jnp.int32)], axis=1)  # fmt: skip
