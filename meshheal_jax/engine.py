@@ -435,31 +435,38 @@ def next_state(p: Params, state, consecutive, z):
 
 def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
     """Record author i's final score q for (task_type, s) at task t when `evidence` (else the
-    network is returned unchanged). Touches only i's cells and i's neighbours' rows."""
+    network is returned unchanged). Reads i's row and its neighbours' rows first, then writes
+    i's rows back unconditionally: a conditional (masked or dropping) scatter becomes a select
+    over the whole array in XLA, O(N) per call."""
     _, valid, nbc = neighbours_of(world, i)
     normal = valid & (net.state[nbc] == NORMAL)
-    w = net.scores.shape[-1]
+    w, ws = net.scores.shape[-1], net.shortfalls.shape[-1]
+    # reads
     peer_counts = net.score_count[nbc, task_type, s]  # (K,)
-    peers = normal & (peer_counts > 0)
-    count = net.score_count[i, task_type, s]
-    slot = count % w
-    scores = net.scores.at[i, task_type, s, slot].set(jnp.where(evidence, q, net.scores[i, task_type, s, slot]))
-    score_count = net.score_count.at[i, task_type, s].add(evidence.astype(jnp.int32))
-    n_peers = peers.sum()
     peer_means = window_mean(net.scores[nbc, task_type, s], peer_counts)
+    count = net.score_count[i, task_type, s]
+    score_row = net.scores[i, task_type, s]  # (W,)
+    n_x = net.shortfall_count[i, task_type, s]
+    shortfall_row = net.shortfalls[i, task_type, s]
+    pool_counts = net.shortfall_count[nbc, task_type, :]  # (K, A); i is never its own neighbour
+    pool_values = window_mean(net.shortfalls[nbc, task_type, :], pool_counts)
+    # the new score and shortfall
+    peers = normal & (peer_counts > 0)
+    n_peers = peers.sum()
     reference = jnp.sum(jnp.where(peers, peer_means, 0.0)) / jnp.maximum(n_peers, 1)
     record = evidence & (n_peers > 0)
     x = reference - q
-    ws = net.shortfalls.shape[-1]
-    n_x = net.shortfall_count[i, task_type, s]
-    cell = n_x % ws
-    shortfalls = net.shortfalls.at[i, task_type, s, cell].set(jnp.where(record, x, net.shortfalls[i, task_type, s, cell]))
-    shortfall_count = net.shortfall_count.at[i, task_type, s].add(record.astype(jnp.int32))
+    shortfall_row = jnp.where(record, shortfall_row.at[n_x % ws].set(x), shortfall_row)
     n_x = n_x + record
-    own = window_mean(shortfalls[i, task_type, s], n_x)
-    pool_counts = net.shortfall_count[nbc, task_type, :]  # (K, A); i is never its own neighbour
+    own = window_mean(shortfall_row, n_x)
+    # writes: i's rows, unconditionally (unchanged values when there is nothing to record)
+    score_row = jnp.where(evidence, score_row.at[count % w].set(q), score_row)
+    inside = "promise_in_bounds"  # i, task_type, s are valid: no bounds select over the whole array
+    scores = net.scores.at[i, task_type, s].set(score_row, mode=inside)
+    score_count = net.score_count.at[i, task_type, s].set(count + evidence, mode=inside)
+    shortfalls = net.shortfalls.at[i, task_type, s].set(shortfall_row, mode=inside)
+    shortfall_count = net.shortfall_count.at[i, task_type, s].set(n_x, mode=inside)
     pool_mask = normal[:, None] & (pool_counts >= p.min_obs)
-    pool_values = window_mean(net.shortfalls[nbc, task_type, :], pool_counts)
     flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
     n_pool = pool_mask.sum()
     ordered = jnp.sort(flat)
@@ -474,14 +481,23 @@ def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) 
     consecutive = jnp.where(defined, consecutive, net.consecutive[i])
     entered = (new == ISOLATED) & (before != ISOLATED)
     state = net.state.at[i].set(new)
-    moved = (new == ISOLATED) != (before == ISOLATED)  # only isolation changes the distance tables
-    distance = jax.lax.cond(across_streams(moved), lambda: distance_tables(world.holds, world.nbr, state),
-                            lambda: net.distance)  # fmt: skip
     net = Net(state=state, consecutive=net.consecutive.at[i].set(consecutive),
               probe_timer=net.probe_timer.at[i].set(jnp.where(entered, t, net.probe_timer[i])),
-              distance=distance, scores=scores, score_count=score_count, shortfalls=shortfalls,
+              distance=net.distance, scores=scores, score_count=score_count, shortfalls=shortfalls,
               shortfall_count=shortfall_count)  # fmt: skip
     return net, Observation(z=z, z_defined=defined, before=before, after=new, reason=reason)
+
+
+def refresh_distances(world: World, net: Net, moved) -> Net:
+    """Distance tables after the round's observations, when some agent entered or left isolation
+    (only isolation changes them). One cond per round, its predicate shared by all streams."""
+    distance = jax.lax.cond(across_streams(moved), lambda: distance_tables(world.holds, world.nbr, net.state),
+                            lambda: net.distance)  # fmt: skip
+    return dataclasses.replace(net, distance=distance)
+
+
+def isolation_changed(obs: Observation):
+    return (obs.after == ISOLATED) != (obs.before == ISOLATED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -930,6 +946,7 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
     """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
     new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
     net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid)
+    net = refresh_distances(world, net, isolation_changed(obs))
     probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)
     return stamp_probes(net, probed, slot.t), new, dataclasses.replace(record, obs=obs)
 
@@ -1049,13 +1066,11 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
         net, observations = state
         k = order[n]
         ev = at(evidence, k)
-        net, obs = jax.lax.cond(
-            across_streams(ev.valid),
-            lambda: observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid),
-            lambda: (net, _empty_review().obs))  # fmt: skip
+        net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid)
         return net, put(observations, k, obs)
 
     net, observations = jax.lax.fori_loop(0, cfg.slots, observe_one, (net, reviews.obs))
+    net = refresh_distances(world, net, jnp.any(isolation_changed(observations)))
     reviews = dataclasses.replace(reviews, obs=observations)
     # then every slot routes on the updated network (vectorised); probes stamp their timers
     probed, slots = jax.vmap(absorb_route, in_axes=(None, None, None, None, 0, 0, 0, 0))(

@@ -217,7 +217,6 @@ def stream_metrics(
 ) -> dict:  # fmt: skip
     """Every per-stream number the summary aggregates over seeds. per_agent=False (large
     networks) replaces the per-agent outcome list by scale_outcomes' counts."""
-    """Every per-stream number the summary aggregates over seeds."""
     degraded_rows = any_degraded(schedule)
     tasks = tasks.sort("t")
     tasks = tasks.with_columns(pl.Series("any_degraded", degraded_rows[tasks["t"].to_numpy() - 1]))

@@ -113,7 +113,7 @@ class Experiment:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["protocol"] = dataclasses.asdict(self.protocol)
-        for key in ("profiles_dir", "params_dir"):
+        for key in ("profiles_dir", "params_dir", "edges_file"):
             out[key] = None if out[key] is None else str(out[key])
         return out
 

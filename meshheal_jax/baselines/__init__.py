@@ -5,6 +5,12 @@ its pure update functions and `task_step`) and runs through `run.run_baseline_st
 compiled program per method: a scan over a stream's tasks, vmapped over streams.
 """
 
-from meshheal_jax.baselines.run import METHODS, BaselineSpec, run_baseline_streams, simulate
-
 __all__ = ["METHODS", "BaselineSpec", "run_baseline_streams", "simulate"]
+
+
+def __getattr__(name: str):  # lazy, so `python -m meshheal_jax.baselines.run` imports run once
+    if name in __all__:
+        from meshheal_jax.baselines import run
+
+        return getattr(run, name)
+    raise AttributeError(name)

@@ -84,7 +84,7 @@ class AgentNetState:
 
 
 def init_state(params: AgentNetParams, world: C.World) -> AgentNetState:
-    n, a = world.holds.shape
+    n = world.holds.shape[0]
     t = world.type_abilities.shape[0]
     return AgentNetState(
         ability=jnp.where(world.holds, params.held_ability, params.unheld_ability).astype(jnp.float64),
@@ -158,14 +158,18 @@ def credit_agents(params: AgentNetParams, state: AgentNetState, on_route, used_a
     totals = state.totals + this_type
     successes = state.successes + (this_type & success)
     gain = on_route[:, None] & used_abilities & success
-    ability = jnp.where(gain, jnp.minimum(params.ability_cap, state.ability + params.ability_gain), state.ability)
+    ability = jnp.where(
+        gain, jnp.minimum(params.ability_cap, state.ability + params.ability_gain), state.ability
+    )
     countdown = jnp.where(this_type & (state.countdown < 0), params.decay_interval, state.countdown)
     started = countdown >= 0
     countdown = jnp.where(on_route[:, None] & started, countdown - 1, countdown)
     countdown = jnp.where(this_type & success, params.decay_interval, countdown)
     decays = on_route[:, None] & started & (countdown <= 0)  # (N, T)
     countdown = jnp.where(decays, params.decay_interval, countdown)
-    n_decays = decays.astype(jnp.int32) @ type_abilities.astype(jnp.int32)  # (N, A) types decaying each ability
+    n_decays = decays.astype(jnp.int32) @ type_abilities.astype(
+        jnp.int32
+    )  # (N, A) types decaying each ability
     decayed = jnp.maximum(params.ability_floor, ability * params.decay_factor**n_decays)
     ability = jnp.where(n_decays > 0, decayed, ability)
     return dataclasses.replace(state, ability=ability, successes=successes, totals=totals,

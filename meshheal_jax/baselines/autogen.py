@@ -68,7 +68,9 @@ def speaker_selection(holds, workers, ability, ok, u_pick):
     (any worker if no worker holds it), else a uniform worker."""
     holders = holds[:, ability] & workers
     holders = jnp.where(holders.any(), holders, workers)
-    return jnp.where(ok, C.pick_from_mask(u_pick, holders), C.pick_from_mask(u_pick, workers)).astype(jnp.int32)
+    return jnp.where(ok, C.pick_from_mask(u_pick, holders), C.pick_from_mask(u_pick, workers)).astype(
+        jnp.int32
+    )
 
 
 def compose(p_corrupt, answer_ok, answer_id, u, distractor_id):
@@ -77,7 +79,9 @@ def compose(p_corrupt, answer_ok, answer_id, u, distractor_id):
     return answer_ok & ~corrupt, jnp.where(corrupt, distractor_id, answer_id).astype(jnp.int32)
 
 
-def task_step(params: AutoGenParams, emu: C.Emu, world: C.World, state: AutoGenState, t, uniforms: C.TaskUniforms):
+def task_step(
+    params: AutoGenParams, emu: C.Emu, world: C.World, state: AutoGenState, t, uniforms: C.TaskUniforms
+):
     d, control = uniforms.task, uniforms.control
     ty = world.task_type[t - 1]
     n = world.holds.shape[0]

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,9 @@ ROLE_NAMES = ("strong", "weak")
 # ------------------------------------------------------------------------------------------------
 
 KINDS = ("infer", "generate", "router", "watchdog", "select", "compose", "evaluate", "refine", "cot")
-K_INFER, K_GENERATE, K_ROUTER, K_WATCHDOG, K_SELECT, K_COMPOSE, K_EVALUATE, K_REFINE, K_COT = range(len(KINDS))
+K_INFER, K_GENERATE, K_ROUTER, K_WATCHDOG, K_SELECT, K_COMPOSE, K_EVALUATE, K_REFINE, K_COT = range(
+    len(KINDS)
+)
 # (ours) The model files carry token figures for MeshHeal's kinds only; each baseline kind uses the
 # figures of the closest MeshHeal kind: decision calls like InferAbilities, judgements like a
 # review sample, composing/refining like a synthesis, extra chain-of-thought samples like a
@@ -142,10 +145,37 @@ def task_uniforms(seed, dataset_id, t) -> TaskUniforms:
     return TaskUniforms(D.task_draws(seed, dataset_id, t), parallel, control)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _stream_extras(seed, dataset_id, n_tasks: int):
+# Compile time dominates the baselines' programs (a full 504-task stream runs in well under a
+# second on a CPU), so on the CPU backend XLA's LLVM optimisation and its newer fusion emitters
+# are switched off: less than half the compile time, identical results.
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def cpu_jit(fun, static_argnums: tuple[int, ...]):
+    """jax.jit with CPU_COMPILER_OPTIONS on the CPU backend (plain jit elsewhere, or where this
+    XLA build does not know the options)."""
+    plain = jax.jit(fun, static_argnums=static_argnums)
+    fast = jax.jit(fun, static_argnums=static_argnums, compiler_options=CPU_COMPILER_OPTIONS)
+
+    @functools.wraps(fun)
+    def call(*args):
+        if jax.default_backend() == "cpu":
+            try:
+                return fast(*args)
+            except Exception as err:  # only an unknown option falls back
+                if "compile option" not in str(err):
+                    raise
+        return plain(*args)
+
+    return call
+
+
+def _stream_extras_impl(seed, dataset_id, n_tasks: int):
     ts = jnp.arange(1, n_tasks + 1, dtype=jnp.int32)
     return jax.vmap(extra_uniforms, in_axes=(None, None, 0))(seed, dataset_id, ts)
+
+
+_stream_extras = cpu_jit(_stream_extras_impl, static_argnums=(2,))
 
 
 def stream_uniforms(seed: int, dataset_id: int, n_tasks: int) -> TaskUniforms:
@@ -167,7 +197,7 @@ def pytree(cls):
 
 
 def static_field(default):
-    return dataclasses.field(default=default, metadata=dict(static=True))
+    return dataclasses.field(default=default, metadata={"static": True})
 
 
 @pytree
@@ -207,7 +237,7 @@ class Emu:
 
 def hop_distances(holds: np.ndarray, adjacency: np.ndarray) -> np.ndarray:
     """(N, A) BFS hops from each agent to the nearest holder of each ability (INF if none)."""
-    n, a = holds.shape
+    n = holds.shape[0]
     dist = np.where(holds, 0, INF).astype(np.int64)
     for _ in range(n):
         through = np.where(adjacency[:, :, None], dist[None, :, :] + 1, INF).min(axis=1)
@@ -242,7 +272,7 @@ def make_emu(pair: Pair, profile: Profile) -> Emu:
     models = (pair.strong, pair.weak)
     if pair.strong.n_distractors != pair.weak.n_distractors:
         raise MeshHealError("both models of a pair must have the same n_distractors")
-    f = lambda x: jnp.asarray(x, dtype=jnp.float64)  # noqa: E731
+    f = lambda x: jnp.asarray(x, dtype=jnp.float64)
     thr = np.zeros((2, 2, 2, 4))
     for r, m in enumerate(models):
         for a, author in enumerate(("strong_author", "weak_author")):
@@ -284,7 +314,9 @@ def pick_from_mask(u, mask):
 def categorical(u, thresholds):
     """The first k with u < thresholds[..., k] (elementwise over u's shape)."""
     u = jnp.asarray(u)
-    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(jnp.int32)
+    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(
+        jnp.int32
+    )
 
 
 def first_true(mask):
@@ -351,7 +383,7 @@ class Call:
 
 def make_call(valid, kind, visit, agent, role, prompt, completion, *, author=-1, ability=-1,
               score=jnp.nan, answer_id=-1, correct=-1) -> Call:  # fmt: skip
-    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     valid = jnp.asarray(valid, dtype=bool)
     call = Call(
         valid=valid, kind=i32(kind), visit=i32(visit), agent=i32(agent), author=i32(author),
@@ -388,7 +420,7 @@ class Review:
 
 
 def make_review(valid, action, visit, author, ability, reviewer, score, author_role, correct) -> Review:
-    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)  # noqa: E731
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     return broadcast(Review(
         valid=jnp.asarray(valid, dtype=bool), action=i32(action), visit=i32(visit), author=i32(author),
         ability=i32(ability), reviewer=i32(reviewer), score=jnp.asarray(score, jnp.float64),
@@ -451,7 +483,9 @@ def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, final
         valid, kind, visit, agent, role, prompt, completion, author=agent, ability=ability, answer_id=answer_id,
         correct=jnp.where(finalize, answer_ok, part_ok).astype(jnp.int32),
     )  # fmt: skip
-    return Generation(part_ok, answer_ok, answer_id.astype(jnp.int32), role, visible_tokens(emu, role, completion)), call
+    return Generation(
+        part_ok, answer_ok, answer_id.astype(jnp.int32), role, visible_tokens(emu, role, completion)
+    ), call
 
 
 # ------------------------------------------------------------------------------------------------
@@ -603,7 +637,9 @@ def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_c
         return (mstate, path), (stack([call_a, call_g, call_c]), review)
 
     path = start_path(world.holds.shape[1], entry)
-    (mstate, path), (calls, reviews) = jax.lax.scan(visit, (mstate, path), jnp.arange(D.N_VISITS, dtype=jnp.int32))
+    (mstate, path), (calls, reviews) = jax.lax.scan(
+        visit, (mstate, path), jnp.arange(D.N_VISITS, dtype=jnp.int32)
+    )
     unfinished = ~path.done  # cannot happen with move_limit <= 8; kept as a guard
     path = dataclasses.replace(path, done=jnp.bool_(True), end=jnp.where(unfinished, E_BUDGET, path.end))
     return mstate, path, flatten(calls), reviews
@@ -668,7 +704,9 @@ def _maybe(x, none_if):
     return None if none_if else x
 
 
-def tables(out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict) -> dict[str, list[dict]]:
+def tables(
+    out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict
+) -> dict[str, list[dict]]:
     """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as lists of row dicts."""
     models = (pair.strong.model, pair.weak.model)
     degraded = schedule.degraded_matrix()

@@ -53,7 +53,9 @@ class RAPSState:
 
 def init_state(params: RAPSParams, world: C.World) -> RAPSState:
     n = world.holds.shape[0]
-    return RAPSState(x=jnp.full((n, n), params.prior_x, jnp.float64), y=jnp.full((n, n), params.prior_y, jnp.float64))
+    return RAPSState(
+        x=jnp.full((n, n), params.prior_x, jnp.float64), y=jnp.full((n, n), params.prior_y, jnp.float64)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,4 +139,3 @@ def task_step(params: RAPSParams, emu: C.Emu, world: C.World, state: RAPSState, 
         pair_correct=pair_ok, end=path.end, calls=C.concat([C.stack([call_infer]), calls]), reviews=reviews,
     )  # fmt: skip
     return state, out
-

@@ -53,7 +53,9 @@ class SACParams:
 
     def check(self, n_agents: int) -> None:
         if not 2 <= self.n_teams <= min(n_agents, C.N_PARALLEL + 1):
-            raise MeshHealError(f"SAC: n_teams must be in 2..min(agents, {C.N_PARALLEL + 1}), got {self.n_teams}")
+            raise MeshHealError(
+                f"SAC: n_teams must be in 2..min(agents, {C.N_PARALLEL + 1}), got {self.n_teams}"
+            )
         if sac_rows(self) > C.N_CONTROL:
             raise MeshHealError(f"SAC: rounds x teams x (teams + 1) must be <= {C.N_CONTROL} control rows")
 
@@ -179,7 +181,9 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
                                           evaluations, refinements)  # fmt: skip
         round_calls.append(C.flatten(per_team))  # per team: its evaluations, then its refinement
         selves = C.make_review(answered, C.R_SELF_EVALUATE, visit, fin, fin_s, fin, anchor, roles, ok)
-        judged = C.make_review(valid, C.R_EVALUATE, visit, fin_o, s_o, fin[:, None], scores, roles[others], ok[others])
+        judged = C.make_review(
+            valid, C.R_EVALUATE, visit, fin_o, s_o, fin[:, None], scores, roles[others], ok[others]
+        )
         round_reviews.append(C.flatten(jax.tree_util.tree_map(
             lambda a, b: jnp.concatenate([a[:, None], b], axis=1), selves, judged)))  # fmt: skip
         ok, ids = new_ok, new_ids
@@ -189,7 +193,7 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
     any_answer = answered.any()
     round_actions = [C.A_EVALUATE, C.A_REFINE] * params.rounds + [C.A_VOTE]
     out = C.TaskOut(
-        entry=entries[0], route=jnp.concatenate([C.path_route(jax.tree_util.tree_map(lambda x: x[k], paths))
+        entry=entries[0], route=jnp.concatenate([C.path_route(jax.tree_util.tree_map(lambda x, k=k: x[k], paths))
                                                  for k in range(n)]),
         actions=jnp.concatenate([paths.actions.reshape(-1), jnp.asarray(round_actions, jnp.int32)]),
         moves=paths.moves.sum(), answered=any_answer, correct=any_answer & ok[winner] & (answer_id == 0),

@@ -112,7 +112,7 @@ def init_state(params: SymphonyParams, world: C.World) -> SymphonyState:
 def context_vector(match, load, latency_norm, reputation, available):
     """(..., 6) x = [1, match, load, latency_norm, reputation, available], each clipped to [0, 1],
     L2-normalised when its norm exceeds 1."""
-    clip = lambda v: jnp.clip(jnp.asarray(v, jnp.float64), 0.0, 1.0)  # noqa: E731
+    clip = lambda v: jnp.clip(jnp.asarray(v, jnp.float64), 0.0, 1.0)
     x = jnp.stack(jnp.broadcast_arrays(jnp.ones_like(clip(match)), clip(match), clip(load), clip(latency_norm),
                                        clip(reputation), jnp.asarray(available, jnp.float64)), axis=-1)  # fmt: skip
     norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
@@ -144,7 +144,9 @@ def linucb_update(state: SymphonyState, x, reward, valid=True) -> SymphonyState:
 
 
 def reward_of(params: SymphonyParams, non_empty, latency_norm):
-    return jnp.clip(jnp.where(non_empty, 1.0, 0.0) - params.latency_penalty * jnp.sqrt(latency_norm), 0.0, 1.0)
+    return jnp.clip(
+        jnp.where(non_empty, 1.0, 0.0) - params.latency_penalty * jnp.sqrt(latency_norm), 0.0, 1.0
+    )
 
 
 def executor_ranking(params: SymphonyParams, state: SymphonyState, holds_s):
@@ -193,11 +195,15 @@ def latency_norm_of(params: SymphonyParams, emu: C.Emu):
 # ------------------------------------------------------------------------------------------------
 
 
-def task_step(params: SymphonyParams, emu: C.Emu, world: C.World, state: SymphonyState, t, uniforms: C.TaskUniforms):
+def task_step(
+    params: SymphonyParams, emu: C.Emu, world: C.World, state: SymphonyState, t, uniforms: C.TaskUniforms
+):
     n = world.holds.shape[0]
     ty = world.task_type[t - 1]
     total = params.n_plans + params.n_extra
-    u_gen = jnp.concatenate([uniforms.task.calls[None], uniforms.parallel.calls[: total - 1]])[:, 1:3, D.GENERATE]
+    u_gen = jnp.concatenate([uniforms.task.calls[None], uniforms.parallel.calls[: total - 1]])[
+        :, 1:3, D.GENERATE
+    ]
     state = dataclasses.replace(state, load=state.load * params.load_decay)
     entry = C.pick_index(uniforms.task.entry, n)
     inferred, pair_ok, call_infer = C.emulate_infer(emu, world, entry, t, ty, uniforms.task.infer)
@@ -214,7 +220,13 @@ def task_step(params: SymphonyParams, emu: C.Emu, world: C.World, state: Symphon
                                            u[0], 1, kind=kind)  # fmt: skip
         last, call_b = C.emulate_generate(emu, world, t, ty, executors[1], abilities[1], True, pair_ok,
                                           first.part_ok, first.tokens, u[1], 2, kind=kind)  # fmt: skip
-        return executors, jnp.stack([first.role, last.role]), last.answer_ok, last.answer_id, C.stack([call_a, call_b])
+        return (
+            executors,
+            jnp.stack([first.role, last.role]),
+            last.answer_ok,
+            last.answer_id,
+            C.stack([call_a, call_b]),
+        )
 
     executors, roles, oks, ids, plan_calls = jax.vmap(run_plan)(plan_rank, u_gen, plan_kind)
     first = jnp.arange(total) < params.n_plans
@@ -244,8 +256,9 @@ def task_step(params: SymphonyParams, emu: C.Emu, world: C.World, state: Symphon
     state, _ = jax.lax.scan(update, state, items)
     calls = C.concat([C.stack([call_infer]),
                       C.flatten(dataclasses.replace(plan_calls, valid=plan_calls.valid & ran[:, None]))])  # fmt: skip
-    route = jnp.concatenate([jnp.broadcast_to(entry, (total, 1)), executors,
-                             jnp.full((total, 1), C.ROUTE_SEP)], axis=1).astype(jnp.int32)
+    route = jnp.concatenate(
+        [jnp.broadcast_to(entry, (total, 1)), executors, jnp.full((total, 1), C.ROUTE_SEP)], axis=1
+    ).astype(jnp.int32)
     route = jnp.where(ran[:, None], route, -1).reshape(-1)
     plan_actions = jnp.where(ran[:, None], jnp.asarray([[C.A_CONTRIBUTE, C.A_FINALIZE]]), -1)
     actions = jnp.concatenate([
