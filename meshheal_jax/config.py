@@ -10,6 +10,10 @@ import dataclasses
 from meshheal_jax.errors import MeshHealError
 
 
+VARIANTS = ("full", "single_reviewer", "no_takeover")
+DETECTORS = ("relative", "absolute", "cusum")
+
+
 @dataclasses.dataclass(frozen=True)
 class ProtocolParams:
     alpha: float = 1.2  # z threshold normal -> watched
@@ -26,8 +30,32 @@ class ProtocolParams:
     route_limit: int = 4  # moves since the last output (paper's routing limit)
     move_limit: int = 8  # total moves (DECISION)
     threshold_tol: float = 1e-9  # comparisons favour crossing by this much
+    # MeshHeal variant (spec/experiments.md §4, baselines.md "Ablations"):
+    #   full | single_reviewer (the initial reviewer is the whole committee, in two contexts, and
+    #   writes the Takeover alone: one synthesis call) | no_takeover (low scores leave the output)
+    variant: str = "full"
+    # detector (spec/experiments.md §5, baselines.md "Detector variants"):
+    #   relative (peer-relative z, §5) | absolute (own mean score) | cusum (Page 1954)
+    detector: str = "relative"
+    # absolute: z_abs = (absolute_threshold - own mean score over the window) / absolute_scale,
+    # into the alpha/beta state machine: watched at mean <= 0.58, counted at mean <= 0.50
+    absolute_threshold: float = 0.70  # baselines.md (ours)
+    absolute_scale: float = 0.10  # = z_scale_floor: the same score distance per unit of z
+    # cusum: S <- max(0, S + (cusum_target - q) - cusum_k) per (agent, type, ability);
+    # watched at S >= cusum_h / 2, isolated at S >= cusum_h (baselines.md, ours)
+    cusum_target: float = 0.85
+    cusum_k: float = 0.05
+    cusum_h: float = 1.0
 
     def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise MeshHealError(f"unknown MeshHeal variant {self.variant!r}; known: {', '.join(VARIANTS)}")
+        if self.detector not in DETECTORS:
+            raise MeshHealError(f"unknown detector {self.detector!r}; known: {', '.join(DETECTORS)}")
+        if not self.absolute_scale > 0:
+            raise MeshHealError(f"absolute_scale must be > 0, got {self.absolute_scale}")
+        if not (self.cusum_h > 0 and self.cusum_k >= 0):
+            raise MeshHealError(f"need cusum_h > 0 and cusum_k >= 0, got h={self.cusum_h}, k={self.cusum_k}")
         if self.move_limit + 1 > 9:
             raise MeshHealError("move_limit above 8 needs more per-visit draws (draws.N_VISITS)")
         if not 0 < self.alpha <= self.beta:

@@ -6,7 +6,8 @@ RawRelay and probe redirection need no model call and run inside absorb in a bou
 A round is a pure function; `run_rounds` scans it; streams are a vmap on the outside.
 
 Implements spec/protocol.md and docs/decisions.md independently of reference.py; with slots = 1
-the two must agree exactly (tests/test_engine_equality.py).
+the two must agree exactly (tests/test_engine.py, tests/test_variants.py). The MeshHeal variant
+and the detector are static (EngineConfig.variant / .detector): one compiled program each.
 
 Shapes: N agents, A abilities, T task types, P documented pairs, S slots, W windows.
 """
@@ -48,7 +49,8 @@ A_RAWRELAY, A_INFER, A_RELAY, A_PROBE, A_HANDOFF, A_CONTRIBUTE, A_FINALIZE = ran
 MAX_ACTIONS = 24
 MAX_ROUTE = 10
 END_NAMES = ("", "move budget", "unreachable ability", "no non-isolated agent reachable")
-REASON_NAMES = ("", "z>=alpha", "consecutive z>=beta", "z<alpha", "probe z<beta")
+REASON_NAMES = ("", "z>=alpha", "consecutive z>=beta", "z<alpha", "probe z<beta",  # relative, absolute
+                "S>=h/2", "S>=h", "S<h/2", "probe S<h")  # cusum
 
 
 def pytree(cls):
@@ -74,6 +76,8 @@ class EngineConfig:
     window_scores: int = 8
     window_shortfalls: int = 8
     route_loop: int = 12  # bound on moves handled inside one absorb (move_limit + 4)
+    variant: str = "full"  # full | single_reviewer | no_takeover (config.VARIANTS): static, one program each
+    detector: str = "relative"  # relative | absolute | cusum (config.DETECTORS): static, one program each
 
 
 @pytree
@@ -92,6 +96,11 @@ class Params:
     route_limit: jax.Array
     move_limit: jax.Array
     tol: jax.Array
+    abs_threshold: jax.Array  # absolute detector
+    abs_scale: jax.Array
+    cusum_target: jax.Array  # cusum detector
+    cusum_k: jax.Array
+    cusum_h: jax.Array
     p_infer: jax.Array  # (2,)
     p_part: jax.Array  # (2, T)
     p_rescue: jax.Array  # (2,)
@@ -146,6 +155,8 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
         z_floor=f(protocol.z_scale_floor), probe_interval=i(protocol.probe_interval),
         warmup=i(protocol.warmup_tasks(n_agents)), route_limit=i(protocol.route_limit),
         move_limit=i(protocol.move_limit), tol=f(protocol.threshold_tol),
+        abs_threshold=f(protocol.absolute_threshold), abs_scale=f(protocol.absolute_scale),
+        cusum_target=f(protocol.cusum_target), cusum_k=f(protocol.cusum_k), cusum_h=f(protocol.cusum_h),
         p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
         p_rescue=f([m.p_rescue for m in models]), rho_same=f([m.rho_same for m in models]),
         p_follow=f([m.p_follow for m in models]), p_fix=f([m.p_fix for m in models]),
@@ -203,6 +214,7 @@ class Net:
     score_count: jax.Array  # (N, T, A) int32 pushes so far
     shortfalls: jax.Array  # (N, T, A, W) float64
     shortfall_count: jax.Array  # (N, T, A) int32 (= lifetime n_x)
+    cusum: jax.Array  # (N, T, A) float64 CUSUM statistic S (detector "cusum"; shape (0,) otherwise)
 
 
 @pytree
@@ -275,6 +287,7 @@ def initial_net(cfg: EngineConfig, world: World) -> Net:
         distance=distance_tables(world.holds, world.nbr, state),
         scores=jnp.zeros((n, t, a, w)), score_count=jnp.zeros((n, t, a), jnp.int32),
         shortfalls=jnp.zeros((n, t, a, cfg.window_shortfalls)), shortfall_count=jnp.zeros((n, t, a), jnp.int32),
+        cusum=jnp.zeros((n, t, a) if cfg.detector == "cusum" else (0,)),
     )  # fmt: skip
 
 
@@ -433,8 +446,80 @@ def next_state(p: Params, state, consecutive, z):
     return new.astype(jnp.int32), consecutive.astype(jnp.int32), reason.astype(jnp.int32)
 
 
-def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
-    """Record author i's final score q for (task_type, s) at task t when `evidence` (else the
+def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
+            detector: str = "relative") -> tuple[Net, Observation]:  # fmt: skip
+    """Record author i's final score q with the (static) detector; see observe_relative."""
+    if detector == "absolute":
+        return observe_absolute(p, net, i, task_type, s, q, t, evidence)
+    if detector == "cusum":
+        return observe_cusum(p, net, i, task_type, s, q, t, evidence)
+    return observe_relative(p, world, net, i, task_type, s, q, t, evidence)
+
+
+def _own_score(net: Net, i, task_type, s, q, evidence):
+    """Push q into i's score window of (task_type, s) when `evidence`: (net, window mean, count)."""
+    w = net.scores.shape[-1]
+    count = net.score_count[i, task_type, s]
+    row = net.scores[i, task_type, s]
+    row = jnp.where(evidence, row.at[count % w].set(q), row)
+    count = count + evidence
+    inside = "promise_in_bounds"
+    net = dataclasses.replace(net, scores=net.scores.at[i, task_type, s].set(row, mode=inside),
+                              score_count=net.score_count.at[i, task_type, s].set(count, mode=inside))  # fmt: skip
+    return net, window_mean(row, count), count
+
+
+def _decide(net: Net, i, t, defined, z, new, consecutive, reason) -> tuple[Net, Observation]:
+    """Apply a formed decision (`defined`): state, counter, probe timer on entering isolation."""
+    before = net.state[i]
+    new = jnp.where(defined, new, before)
+    reason = jnp.where(defined, reason, 0)
+    consecutive = jnp.where(defined, consecutive, net.consecutive[i])
+    entered = (new == ISOLATED) & (before != ISOLATED)
+    net = dataclasses.replace(
+        net, state=net.state.at[i].set(new), consecutive=net.consecutive.at[i].set(consecutive),
+        probe_timer=net.probe_timer.at[i].set(jnp.where(entered, t, net.probe_timer[i])))  # fmt: skip
+    return net, Observation(z=jnp.where(defined, z, 0.0), z_defined=defined, before=before, after=new, reason=reason)
+
+
+def observe_absolute(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
+    """Absolute detector: z_abs = (threshold - own mean score of (type, s)) / scale, formed after
+    warm-up from the min_obs-th score on, into the alpha/beta state machine of §5 step 9."""
+    net, mean, count = _own_score(net, i, task_type, s, q, evidence)
+    defined = evidence & (t > p.warmup) & (count >= p.min_obs)
+    z = (p.abs_threshold - mean) / p.abs_scale
+    new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
+    return _decide(net, i, t, defined, z, new, consecutive, reason)
+
+
+def next_state_cusum(p: Params, state, stat):
+    """CUSUM transitions: watched at S >= h/2, isolated at S >= h; isolated -> watched below h,
+    watched -> normal below h/2. Returns (new state, REASON_NAMES index)."""
+    high = gt_tol(stat, p.cusum_h, p.tol)
+    half = gt_tol(stat, p.cusum_h / 2, p.tol)
+    isolate = (state != ISOLATED) & high
+    watch = (state == NORMAL) & half
+    relax = (state == WATCHED) & ~half
+    release = (state == ISOLATED) & ~high
+    new = jnp.where(isolate, ISOLATED, jnp.where(watch | release, WATCHED, jnp.where(relax, NORMAL, state)))
+    reason = jnp.where(isolate, 6, jnp.where(watch, 5, jnp.where(relax, 7, jnp.where(release, 8, 0))))
+    return new.astype(jnp.int32), reason.astype(jnp.int32)
+
+
+def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
+    """CUSUM detector (Page 1954): S <- max(0, S + (target - q) - k) per (agent, type, ability) on
+    every final score; transitions after warm-up from the min_obs-th score on."""
+    stat = net.cusum[i, task_type, s]
+    stat = jnp.where(evidence, jnp.maximum(0.0, stat + (p.cusum_target - q) - p.cusum_k), stat)
+    net = dataclasses.replace(net, cusum=net.cusum.at[i, task_type, s].set(stat, mode="promise_in_bounds"))
+    net, _, count = _own_score(net, i, task_type, s, q, evidence)
+    defined = evidence & (t > p.warmup) & (count >= p.min_obs)
+    new, reason = next_state_cusum(p, net.state[i], stat)
+    return _decide(net, i, t, defined, stat, new, net.consecutive[i], reason)
+
+
+def observe_relative(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
+    """The peer-relative detector (§5): record author i's final score q for (task_type, s) at task t when `evidence` (else the
     network is returned unchanged). Reads i's row and its neighbours' rows first, then writes
     i's rows back unconditionally: a conditional (masked or dropping) scatter becomes a select
     over the whole array in XLA, O(N) per call."""
@@ -484,7 +569,7 @@ def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) 
     net = Net(state=state, consecutive=net.consecutive.at[i].set(consecutive),
               probe_timer=net.probe_timer.at[i].set(jnp.where(entered, t, net.probe_timer[i])),
               distance=net.distance, scores=scores, score_count=score_count, shortfalls=shortfalls,
-              shortfall_count=shortfall_count)  # fmt: skip
+              shortfall_count=shortfall_count, cusum=net.cusum)  # fmt: skip
     return net, Observation(z=z, z_defined=defined, before=before, after=new, reason=reason)
 
 
@@ -738,7 +823,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     gen_b = dataclasses.replace(
         b, part_ok=part_ok, part_role=role_g, part_tokens=part_tokens, answer_ok=answer_ok & r.finalize,
         answer_tokens=part_tokens, result_ok=jnp.where(r.finalize, answer_ok, part_ok), result_tokens=part_tokens,
-        pending=~r.finalize)  # fmt: skip
+        pending=~r.finalize, candidate_tokens=jnp.int32(0))  # fmt: skip
 
     # review samples (3) / committee rounds (2)
     def sample(kind, k, thr_table, repeat_of, use_repeat, p_repeat):
@@ -896,13 +981,18 @@ def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Sl
     kb = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], reviewers.at[ka].set(False)), ka)
     a = jnp.where(ka >= 0, nb[jnp.maximum(ka, 0)], -1)
     b = jnp.where(kb >= 0, nb[jnp.maximum(kb, 0)], -1)
+    if cfg.variant == "single_reviewer":  # the initial reviewer in two isolated contexts
+        a = b = slot.reviewer
     after_review = dataclasses.replace(slot, samples=x, q0=q0, s_u=s_u, committee=committee, q=q0,
                                        member_a=jnp.where(committee, a, -1), member_b=jnp.where(committee, b, -1),
                                        phase=jnp.where(committee, ROUND1, phase).astype(jnp.int32))  # fmt: skip
     after_r1 = dataclasses.replace(slot, round1=x[:2], phase=jnp.int32(ROUND2))
     q = (x[0] + x[1]) / 2.0
     low = le_tol(q, p.tau_to, p.tol)
-    after_r2 = dataclasses.replace(slot, round2=x[:2], q=q, phase=jnp.where(low, CANDIDATES, phase).astype(jnp.int32))
+    if cfg.variant == "no_takeover":  # a low score leaves the output in place
+        low = jnp.bool_(False)
+    takeover_phase = SYNTH if cfg.variant == "single_reviewer" else CANDIDATES  # one correction call
+    after_r2 = dataclasses.replace(slot, round2=x[:2], q=q, phase=jnp.where(low, takeover_phase, phase).astype(jnp.int32))
     after_cand = dataclasses.replace(slot, phase=jnp.int32(SYNTH))
     after_synth = dataclasses.replace(slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id))
 
@@ -945,7 +1035,7 @@ def absorb_route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slo
 def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
     """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
     new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
-    net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid)
+    net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector)
     net = refresh_distances(world, net, isolation_changed(obs))
     probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)
     return stamp_probes(net, probed, slot.t), new, dataclasses.replace(record, obs=obs)
@@ -1066,7 +1156,7 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
         net, observations = state
         k = order[n]
         ev = at(evidence, k)
-        net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid)
+        net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector)
         return net, put(observations, k, obs)
 
     net, observations = jax.lax.fori_loop(0, cfg.slots, observe_one, (net, reviews.obs))
@@ -1163,6 +1253,7 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
         n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
         n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
         window_shortfalls=protocol.window_shortfalls, route_loop=protocol.move_limit + 4,
+        variant=protocol.variant, detector=protocol.detector,
     )  # fmt: skip
 
 

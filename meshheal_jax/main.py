@@ -1,19 +1,28 @@
 """`python -m meshheal_jax.main`: persistent degradation (spec/experiments.md §1).
 
-6 agents, complete graph; A3 and A5 (agents 2 and 4) degraded from task 253 of 504; per dataset
-and mean: accuracy H / D, the paired phase change, calls and tokens per task, detection.
+6 agents, complete graph; A3 and A5 (agents 2 and 4) degraded from task 253 of 504. Runs MeshHeal
+and the five baselines (AgentNet, RAPS, AutoGen with A3 as mandatory manager, SAC, Symphony) on the
+same streams (same seeds, task order and draws: paired) unless --methods picks some. Prints per
+dataset and mean, per method: accuracy H / D, the paired phase change D − H, calls and tokens per
+task in each phase; then detection per degraded agent. Writes report.md in the run folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from meshheal_jax import runner
+from meshheal_jax import report, runner
 from meshheal_jax.cli import CommonFlags, entrypoint, fmt, fmt_range, new_table, print_table
+
+NEVER_ISOLATED = "never isolated"
+NOT_ESTABLISHED = "not established"
+UNDEFINED = "undefined"
 
 
 @dataclasses.dataclass(frozen=True)
 class MainConfig(CommonFlags):
+    methods: tuple[str, ...] = runner.METHODS
+    """methods to run, in table order: meshheal agentnet raps autogen sac symphony"""
     datasets: tuple[str, ...] = ("bbh", "math", "mmlu_pro")
     """datasets (profiles) to run"""
     tasks: int = 504
@@ -25,38 +34,107 @@ class MainConfig(CommonFlags):
 def experiment(cfg: MainConfig) -> runner.Experiment:
     return runner.Experiment(
         name="main", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
-        engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded), protocol=cfg.protocol,
-        profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        methods=tuple(cfg.methods), engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks,
+        degraded=tuple(cfg.degraded), protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
     )  # fmt: skip
+
+
+def ordered(summary: dict) -> list[dict]:
+    """Results grouped by pair, then dataset (the mean last), then method in run order."""
+    results = summary["results"]
+    pairs = list(dict.fromkeys(r["pair"] for r in results))
+    datasets = list(dict.fromkeys(r["dataset"] for r in results if r["dataset"] != "mean"))
+    datasets += ["mean"] if any(r["dataset"] == "mean" for r in results) else []
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    key = {(r["pair"], r["dataset"], r["method"]): r for r in results}
+    return [key[(p, d, m)] for p in pairs for d in datasets for m in methods if (p, d, m) in key]
+
+
+def method_label(r: dict) -> str:
+    """meshheal, or meshheal (variant, detector) where either differs from the default."""
+    extra = [x for x, default in ((r.get("variant"), "full"), (r.get("detector"), "relative"))
+             if r["method"] == "meshheal" and x not in (None, default)]  # fmt: skip
+    return r["method"] + (f" ({', '.join(extra)})" if extra else "")
+
+
+def isolates(r: dict) -> bool:
+    """Whether the method has a detector that isolates agents (MeshHeal; not the baselines)."""
+    return r.get("detector") != runner.NO_DETECTOR
+
+
+def delay_text(r: dict, stat: dict) -> str:
+    """A delay's mean ± std (min–max) n=…, or the words for what never happened."""
+    if not stat or stat.get("n_defined", 0) == 0:
+        return NEVER_ISOLATED
+    return fmt_range(stat)
+
+
+def closure_text(r: dict, agent: dict) -> str:
+    if not isolates(r):
+        return NOT_ESTABLISHED
+    return f"{agent['closure_seeds']}/{len(r['seeds'])} seeds"
 
 
 def print_summary(summary: dict) -> None:
-    results = summary["results"]
+    results = ordered(summary)
+    pairs = sorted({r["pair"] for r in results})
+    n_seeds = len(results[0]["seeds"]) if results else 0
+    half = summary["n_tasks"] // 2
+    print(f"Persistent degradation, pair {', '.join(pairs)}: mean ± std over {n_seeds} seeds ({summary['backend']} "
+          f"backend; MeshHeal on the {summary['engine']} engine). H: tasks 1–{half}, D: tasks {half + 1}–"
+          f"{summary['n_tasks']}; D − H paired within seed; calls and tokens (thousands) per task.")  # fmt: skip
     table = new_table(
-        f"MeshHeal, persistent degradation ({summary['engine']} engine, {summary['backend']} backend)",
-        "dataset", "pair", "acc H", "acc D", "D − H", "calls H", "calls D", "tokens H (k)", "tokens D (k)",
+        "Accuracy, calls and tokens per task",
+        "dataset", "method", "acc H", "acc D", "D − H", "calls H", "calls D", "tokens H (k)", "tokens D (k)",
     )  # fmt: skip
+    previous = None
     for r in results:
+        if previous is not None and (r["dataset"], r["pair"]) != previous:
+            table.add_section()
+        previous = (r["dataset"], r["pair"])
         table.add_row(
-            r["dataset"], r["pair"], fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), fmt(r["phase_change"]),
+            r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
+            fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), fmt(r["phase_change"]),
             fmt(r["calls_per_task_healthy"], 1), fmt(r["calls_per_task_degraded"], 1),
             fmt(r["tokens_per_task_healthy"], 1, 1e-3), fmt(r["tokens_per_task_degraded"], 1, 1e-3),
         )  # fmt: skip
     print_table(table)
-    detect = new_table("Detection: delay in tasks after degradation, mean ± std (min–max) n=seeds where detected",
-                       "dataset", "agent", "detection delay", "closure seeds", "missed", "false isolations")  # fmt: skip
-    for r in results:
-        for a in r.get("agents", []):
-            detect.add_row(r["dataset"], str(a["agent"]), fmt_range(a["detection_delay"]),
-                           f"{a['closure_seeds']}/{len(r['seeds'])}", fmt(r["missed"], 2),
-                           fmt(r["false_isolations"], 2))  # fmt: skip
+    with_agents = [r for r in results if r.get("agents")]
+    if not with_agents:
+        return
+    agents = [(a["agent"], a.get("profile", str(a["agent"]))) for a in with_agents[0]["agents"]]
+    columns = [f"{p} detection delay" for _, p in agents] + [f"{p} closure" for _, p in agents]
+    print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated; closure: seeds "
+          f"where it stays isolated to the end; missed (of {len(agents)}) and false isolations (transitions of "
+          "healthy agents to isolated) per seed.")  # fmt: skip
+    detect = new_table(
+        "Detection per degraded agent",
+        "dataset", "method", *columns, "missed", "false isolations",
+    )  # fmt: skip
+    previous = None
+    for r in with_agents:
+        if previous is not None and (r["dataset"], r["pair"]) != previous:
+            detect.add_section()
+        previous = (r["dataset"], r["pair"])
+        by_agent = {a["agent"]: a for a in r["agents"]}
+        detect.add_row(
+            r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
+            *(delay_text(r, by_agent[k]["detection_delay"]) for k, _ in agents),
+            *(closure_text(r, by_agent[k]) for k, _ in agents),
+            fmt(r["missed"], 2), fmt(r["false_isolations"], 2),
+        )  # fmt: skip
     print_table(detect)
+    if any(not isolates(r) for r in with_agents):
+        print(f"Baselines have no detector: their degraded agents are {NEVER_ISOLATED} (detection delay null, "
+              f"n_defined 0), closure {NOT_ESTABLISHED}, reintegration {UNDEFINED}.")  # fmt: skip
 
 
 def body(cfg: MainConfig) -> None:
     results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet)
     print_summary(results.summary)
+    path = report.write_report(results.run_dir)
     print(f"results: {results.run_dir}")
+    print(f"report: {path}")
 
 
 def cli() -> None:

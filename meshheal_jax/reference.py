@@ -111,6 +111,27 @@ def next_state(state: str, consecutive: int, z: float, p: ProtocolParams) -> tup
     return state, consecutive, ""
 
 
+def cusum_update(s: float, q: float, p: ProtocolParams) -> float:
+    """Page's one-sided CUSUM on the score deficit: S <- max(0, S + (target - q) - k)."""
+    return max(0.0, s + (p.cusum_target - q) - p.cusum_k)
+
+
+def next_state_cusum(state: str, s: float, p: ProtocolParams) -> tuple[str, str]:
+    """CUSUM transitions (baselines.md): watched at S >= h/2, isolated at S >= h; back to watched
+    below h (probe outputs), back to normal below h/2. Returns (new state, reason)."""
+    high = s >= p.cusum_h - p.threshold_tol
+    half = s >= p.cusum_h / 2 - p.threshold_tol
+    if state in (NORMAL, WATCHED) and high:
+        return ISOLATED, "S>=h"
+    if state == NORMAL and half:
+        return WATCHED, "S>=h/2"
+    if state == WATCHED and not half:
+        return NORMAL, "S<h/2"
+    if state == ISOLATED and not high:
+        return WATCHED, "probe S<h"
+    return state, ""
+
+
 # ----------------------------------------------------------------------------------------------
 # The emulated backend (plain Python): the only place that knows health, models and truth
 # ----------------------------------------------------------------------------------------------
@@ -236,10 +257,13 @@ class ReferenceEmulator:
                   score=score, answer_id=None, correct=judged.correct)  # fmt: skip
         return score, self._visible(m, completion)
 
-    def takeover(self, ctx, a, b, ability, t, judged: Output, draft, original: Output, finalize, ucand, usynth) -> Output:
-        """Two correction candidates (A, B), then A's synthesis replaces the output."""
+    def takeover(self, ctx, writers, a, ability, t, judged: Output, draft, original: Output, finalize, ucand,
+                 usynth) -> Output:  # fmt: skip
+        """A correction candidate by each of `writers`, then a's synthesis replaces the output.
+        Full MeshHeal: writers = (A, B); single_reviewer: writers = () and a = the reviewer, whose
+        one correction call is the synthesis (decisions: single correction)."""
         visible = []
-        for agent, u in zip((a, b), ucand):
+        for agent, u in zip(writers, ucand):
             role = self.role(agent, ability, t)
             m = self.model(role)
             completion = self._complete(m, "candidate", u[D.U_TOKENS])
@@ -280,6 +304,7 @@ class ReferenceNetwork:
         self.scores = {k: Window(params.window_scores) for k in keys}
         self.shortfalls = {k: Window(params.window_shortfalls) for k in keys}
         self.n_shortfalls = {k: 0 for k in keys}
+        self.cusum = {k: 0.0 for k in keys}  # CUSUM statistic S per key (detector "cusum")
         self.distance = self.distance_tables()
 
     def holds(self, agent: int, ability: int) -> bool:
@@ -320,7 +345,49 @@ class ReferenceNetwork:
     # -- §5 the peer-relative detector -----------------------------------------------------------
 
     def observe(self, i: int, task_type: int, s: int, q: float, t: int, warmup: int) -> dict:
-        """Record author i's final score q; returns {z, from, to, reason} (z None if not formed)."""
+        """Record author i's final score q; returns {z, from, to, reason} (z None if not formed).
+        z is the detector's statistic: peer-relative z, z_abs, or the CUSUM S."""
+        if self.p.detector == "absolute":
+            return self.observe_absolute(i, task_type, s, q, t, warmup)
+        if self.p.detector == "cusum":
+            return self.observe_cusum(i, task_type, s, q, t, warmup)
+        return self.observe_relative(i, task_type, s, q, t, warmup)
+
+    def _enter(self, i: int, new: str, t: int, z: float, reason: str, out: dict) -> dict:
+        """Apply a detector decision: probe timer on isolation, distance tables on a change."""
+        if new == ISOLATED and self.state[i] != ISOLATED:
+            self.probe_timer[i] = t
+        out.update(z=z, to=new, reason=reason)
+        if new != self.state[i]:
+            self.state[i] = new
+            self.distance = self.distance_tables()
+        return out
+
+    def observe_absolute(self, i: int, task_type: int, s: int, q: float, t: int, warmup: int) -> dict:
+        """Absolute detector: z_abs = (threshold - own mean score of (T, s)) / scale, into §5 step 9."""
+        key = (i, task_type, s)
+        out = {"z": None, "from": self.state[i], "to": self.state[i], "reason": ""}
+        window = self.scores[key]
+        window.push(q)
+        if t <= warmup or window.count < self.p.min_observations:
+            return out
+        z = (self.p.absolute_threshold - window.mean()) / self.p.absolute_scale
+        new, self.consecutive[i], reason = next_state(self.state[i], self.consecutive[i], z, self.p)
+        return self._enter(i, new, t, z, reason, out)
+
+    def observe_cusum(self, i: int, task_type: int, s: int, q: float, t: int, warmup: int) -> dict:
+        """CUSUM detector: S of (i, T, s) updated by every final score; transitions on S."""
+        key = (i, task_type, s)
+        out = {"z": None, "from": self.state[i], "to": self.state[i], "reason": ""}
+        self.cusum[key] = cusum_update(self.cusum[key], q, self.p)
+        self.scores[key].push(q)
+        if t <= warmup or self.scores[key].count < self.p.min_observations:
+            return out
+        new, reason = next_state_cusum(self.state[i], self.cusum[key], self.p)
+        return self._enter(i, new, t, self.cusum[key], reason, out)
+
+    def observe_relative(self, i: int, task_type: int, s: int, q: float, t: int, warmup: int) -> dict:
+        """The peer-relative detector of §5."""
         key = (i, task_type, s)
         out = {"z": None, "from": self.state[i], "to": self.state[i], "reason": ""}
         peers = [j for j in self.neighbours[i]
@@ -350,13 +417,7 @@ class ReferenceNetwork:
         m, p25 = quantile(pool, 0.5), quantile(pool, 0.25)
         z = (own - m) / max(m - p25, self.p.z_scale_floor)
         new, self.consecutive[i], reason = next_state(self.state[i], self.consecutive[i], z, self.p)
-        if new == ISOLATED and self.state[i] != ISOLATED:
-            self.probe_timer[i] = t
-        out.update(z=z, to=new, reason=reason)
-        if new != self.state[i]:
-            self.state[i] = new
-            self.distance = self.distance_tables()
-        return out
+        return self._enter(i, new, t, z, reason, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,7 +592,9 @@ class ReferenceEngine:
                    q=q0, takeover=False, correct_before=result.correct, correct_after=result.correct)  # fmt: skip
         q = q0
         if committee:
-            if len(reviewers) >= 2:
+            if p.variant == "single_reviewer":  # the initial reviewer in two isolated contexts
+                a = b = r
+            elif len(reviewers) >= 2:
                 a = reviewers[pick(ur[D.COMMITTEE_A], len(reviewers))]
                 rest = [j for j in reviewers if j != a]
                 b = rest[pick(ur[D.COMMITTEE_B], len(rest))]
@@ -543,9 +606,10 @@ class ReferenceEngine:
             vb, _ = emu.round2_sample(ctx, b, s, task.t, part, task.draft, ra, uc[D.ROUND2[1]], ea + eb)
             q = (va + vb) / 2.0
             row.update(committee_a=a, committee_b=b, v_a1=ra, v_b1=rb, v_a=va, v_b=vb, q=q)
-            if is_low(q, p):
+            if is_low(q, p) and p.variant != "no_takeover":  # no_takeover: the low output stays
+                writers = () if p.variant == "single_reviewer" else (a, b)
                 ucand = (uc[D.CANDIDATES[0]], uc[D.CANDIDATES[1]])
-                result = emu.takeover(ctx, a, b, s, task.t, part, task.draft, result, finalize,
+                result = emu.takeover(ctx, writers, a, s, task.t, part, task.draft, result, finalize,
                                       ucand, uc[D.SYNTHESIS])  # fmt: skip
                 row.update(takeover=True, correct_after=result.correct)
         change = world.observe(author, task.task_type, s, q, task.t, self.warmup)

@@ -1,8 +1,13 @@
 """Experiment runner: streams -> engine -> records appended per stream -> summary.
 
-A run folder holds config.json, parts/<dataset>-<pair>-seed<k>/ (one finished stream each, written
-atomically), the merged tasks/reviews/states/calls parquet files and summary.json. Re-running with
-the same --out resumes: finished streams are kept, the rest run.
+A stream is (method, dataset, pair, seed). MeshHeal streams run on the chosen engine (jax: one
+vmapped program per pair; reference: one at a time); a baseline's streams run through
+`baselines.run_baseline_streams` (one compiled program per method and pair, its datasets and seeds
+vmapped). Every method sees the same task order, entries and draws for a given (dataset, seed).
+
+A run folder holds config.json, parts/<method>-<dataset>-<pair>-seed<k>/ (one finished stream
+each, written atomically), the merged tasks/reviews/states/calls parquet files and summary.json.
+Re-running with the same --out resumes: finished streams are kept, the rest run.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from meshheal_jax.topology import Network, build_network, load_profile, replicat
 
 TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
+BASELINES = ("agentnet", "raps", "autogen", "sac", "symphony")  # == baselines.run.METHODS (tested)
+METHODS = ("meshheal", *BASELINES)
+NO_DETECTOR = "none"  # the `detector` of a summary entry for a method without one (the baselines)
+
+Stream = tuple[str, str, str, int]  # (method, dataset, pair, seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +48,8 @@ class Experiment:
     datasets: tuple[str, ...]
     pairs: tuple[str, ...]
     seeds: tuple[int, ...]
-    method: str = "meshheal"
-    engine: str = "jax"
+    methods: tuple[str, ...] = ("meshheal",)  # METHODS, in the order the tables show them
+    engine: str = "jax"  # MeshHeal's engine; baselines always run their own vmapped JAX program
     slots: int = 1  # in-flight tasks per stream (jax engine; 1 = the paper's sequential semantics)
     backend: str = "emulated"
     n_agents: int = 6
@@ -54,6 +64,15 @@ class Experiment:
     params_dir: Path | None = None
 
     def validate(self) -> None:
+        if not self.methods:
+            raise MeshHealError("no methods given")
+        for method in self.methods:
+            if method not in METHODS:
+                raise MeshHealError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise MeshHealError(f"methods must be distinct, got {list(self.methods)}")
+        if self.baselines() and self.slots != 1:
+            raise MeshHealError("baselines run one task at a time: use --slots 1 (or only --methods meshheal)")
         if not self.seeds:
             raise MeshHealError("no seeds given")
         if any(s < 0 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
@@ -107,8 +126,25 @@ class Experiment:
             return tuple(1 + k * p for k in range(5)), RECOVERY_PHASES
         return (1, self.n_tasks // 2 + 1), ("healthy", "degraded")
 
-    def streams(self) -> list[tuple[str, str, int]]:
-        return [(d, p, s) for d in self.datasets for p in self.pairs for s in self.seeds]
+    @property
+    def method(self) -> str:
+        """The method of a one-method experiment (for callers written before `methods`)."""
+        if len(self.methods) != 1:
+            raise MeshHealError(f"this experiment runs several methods: {list(self.methods)}")
+        return self.methods[0]
+
+    def baselines(self) -> tuple[str, ...]:
+        return tuple(m for m in self.methods if m != "meshheal")
+
+    def streams(self) -> list[Stream]:
+        return [(m, d, p, s) for m in self.methods for d in self.datasets for p in self.pairs for s in self.seeds]
+
+    def labels(self, method: str) -> dict:
+        """The variant and detector a method's summary entries carry."""
+        if method == "meshheal":
+            return {"variant": getattr(self.protocol, "variant", "full"),
+                    "detector": getattr(self.protocol, "detector", "relative")}  # fmt: skip
+        return {"variant": "full", "detector": NO_DETECTOR}
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -170,6 +206,11 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                 raise MeshHealError(f"output folder {out} has an unreadable config.json") from None
             if not previous.get(RUN_MARKER):
                 raise MeshHealError(f"output folder {out} exists and is not a run folder")
+            if "methods" not in previous.get("experiment", {}):
+                raise MeshHealError(
+                    f"output folder {out} holds a run of an older layout (one method, parts without the method); "
+                    "choose another --out"
+                )  # fmt: skip
             if previous.get("experiment") != json.loads(json.dumps(exp.to_json())):
                 raise MeshHealError(
                     f"output folder {out} holds a run of a different configuration; choose another --out"
@@ -186,28 +227,28 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     return out
 
 
-def _part_dir(run_dir: Path, dataset: str, pair: str, seed: int) -> Path:
-    return run_dir / "parts" / f"{dataset}-{pair}-seed{seed}"
+def _part_dir(run_dir: Path, method: str, dataset: str, pair: str, seed: int) -> Path:
+    return run_dir / "parts" / f"{method}-{dataset}-{pair}-seed{seed}"
 
 
-def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int):
+def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int, method: str = "meshheal"):
     profile = load_profile(dataset, exp.profiles_dir)
     network = exp.network(dataset)
     starts, names = exp.phases()
     stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
-    labels = {"method": exp.method, "dataset": dataset, "pair": pair_name, "seed": seed}
+    labels = {"method": method, "dataset": dataset, "pair": pair_name, "seed": seed}
     return network, stream, load_pair(pair_name, exp.params_dir), labels
 
 
 def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:
-    """The reference engine, one stream."""
+    """The reference engine, one MeshHeal stream."""
     network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
     records = reference.run_stream(network, exp.protocol, pair, stream, exp.schedule(), labels)
     return {name: metrics.frame(name, getattr(records, name)) for name in TABLES}
 
 
 def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None) -> list[dict[str, pl.DataFrame]]:
-    """The JAX engine: every stream of one pair as one vmapped program."""
+    """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program."""
     from meshheal_jax import engine  # imported here: the reference path needs no compilation
 
     specs = []
@@ -215,6 +256,30 @@ def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]], on_pro
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
     return engine.run_streams(specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress)
+
+
+def run_baseline_streams(exp: Experiment, method: str, streams: list[tuple[str, str, int]]) -> list[dict[str, pl.DataFrame]]:
+    """A baseline's streams (dataset, pair, seed) of one pair: one compiled program per shape (the
+    packaged profiles share one), every dataset and seed vmapped."""
+    from meshheal_jax.baselines import BaselineSpec
+    from meshheal_jax.baselines import run_baseline_streams as run_baseline
+
+    pairs = {p for _, p, _ in streams}
+    if len(pairs) != 1:
+        raise MeshHealError("a baseline batch holds the streams of one pair")
+    (pair_name,) = pairs
+    groups: dict[tuple, list[int]] = {}  # streams batched together need the same shapes
+    specs = []
+    for k, (dataset, _, seed) in enumerate(streams):
+        network, stream, _, labels = _stream_inputs(exp, dataset, pair_name, seed, method)
+        specs.append(BaselineSpec(network, stream, exp.schedule(), labels))
+        groups.setdefault((network.holds.shape, len(network.profile.task_types)), []).append(k)
+    pair = load_pair(pair_name, exp.params_dir)
+    out: list[dict[str, pl.DataFrame] | None] = [None] * len(streams)
+    for members in groups.values():
+        for k, rows in zip(members, run_baseline(method, [specs[k] for k in members], pair)):
+            out[k] = {name: metrics.frame(name, rows[name]) for name in exp.tables}
+    return out
 
 
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
@@ -245,23 +310,33 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo))
+        mine = [s[1:] for s in todo if s[0] == "meshheal"]
         if exp.engine == "reference":
-            for dataset, pair, seed in todo:
-                bar.update(job, description=f"{exp.name}: {dataset} pair={pair} seed={seed}")
-                _write_part(_part_dir(run_dir, dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
+            for dataset, pair, seed in mine:
+                bar.update(job, description=f"{exp.name}: meshheal {dataset} pair={pair} seed={seed}")
+                _write_part(_part_dir(run_dir, "meshheal", dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
                 bar.advance(job)
         else:
             for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
-                batch = [s for s in todo if s[1] == pair]
+                batch = [s for s in mine if s[1] == pair]
                 if not batch:
                     continue
-                bar.update(job, description=f"{exp.name}: jax engine, pair={pair}, {len(batch)} streams")
-                def tick(done: int, total: int, batch=batch) -> None:
-                    bar.update(job, description=f"{exp.name}: jax engine, pair={pair}, {len(batch)} streams, "
+                bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams")
+                def tick(done: int, total: int, batch=batch, pair=pair) -> None:
+                    bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams, "
                                                 f"{done:,}/{total:,} tasks")  # fmt: skip
 
                 for stream, frames in zip(batch, run_jax_streams(exp, batch, tick)):
-                    _write_part(_part_dir(run_dir, *stream), frames)
+                    _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
+                    bar.advance(job)
+        for method in exp.baselines():  # one compiled program per method (and pair)
+            for pair in exp.pairs:
+                batch = [s[1:] for s in todo if s[0] == method and s[2] == pair]
+                if not batch:
+                    continue
+                bar.update(job, description=f"{exp.name}: {method}, pair={pair}, {len(batch)} streams")
+                for stream, frames in zip(batch, run_baseline_streams(exp, method, batch)):
+                    _write_part(_part_dir(run_dir, method, *stream), frames)
                     bar.advance(job)
     frames = {
         name: pl.concat([pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet") for s in exp.streams()])
@@ -275,32 +350,46 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
 
 
+def _without_isolation(m: dict) -> dict:
+    """A method with no isolation (the baselines): no agent is ever isolated, so detection never
+    happens, closure is not established and reintegration (return from isolation) is undefined."""
+    agents = [{**a, "detection_delay": None, "closure": False, "reintegration_delay": None} for a in m["agents"]]
+    return {**m, "agents": agents}
+
+
 def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
+    """One result per (method, dataset, pair), and per (method, pair) the mean over datasets
+    (within seed) when there are several datasets. Every result names method, variant, detector,
+    dataset and pair."""
     schedule = exp.schedule()
     _, phase_names = exp.phases()
+    split = {name: frames[name].partition_by("method", "dataset", "pair", "seed", as_dict=True)
+             for name in ("tasks", "reviews", "states")}  # fmt: skip
     results = []
-    for pair in exp.pairs:
-        per_dataset: dict[str, list[dict]] = {}
-        for dataset in exp.datasets:
-            per_seed = []
-            for seed in exp.seeds:
-                def pick(df: pl.DataFrame) -> pl.DataFrame:
-                    return df.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair) & (pl.col("seed") == seed))
+    for method in exp.methods:
+        head = {"method": method, **exp.labels(method)}
+        for pair in exp.pairs:
+            per_dataset: dict[str, list[dict]] = {}
+            for dataset in exp.datasets:
+                per_seed = []
+                for seed in exp.seeds:
+                    def pick(name: str) -> pl.DataFrame:
+                        return split[name].get((method, dataset, pair, seed), frames[name].clear())
 
-                per_seed.append(metrics.stream_metrics(
-                    pick(frames["tasks"]), pick(frames["reviews"]), pick(frames["states"]), schedule, phase_names,
-                    per_agent=exp.n_agents <= 6,
-                ))  # fmt: skip
-            per_dataset[dataset] = per_seed
-            results.append({"method": exp.method, "dataset": dataset, "pair": pair, **metrics.aggregate(per_seed, exp.seeds)})
-        if len(exp.datasets) > 1:
-            results.append({"method": exp.method, "dataset": "mean", "pair": pair,
-                            **metrics.mean_over_datasets(per_dataset, exp.seeds)})  # fmt: skip
+                    m = metrics.stream_metrics(pick("tasks"), pick("reviews"), pick("states"), schedule, phase_names,
+                                               per_agent=exp.n_agents <= 6)  # fmt: skip
+                    per_seed.append(m if method == "meshheal" else _without_isolation(m))
+                per_dataset[dataset] = per_seed
+                results.append({**head, "dataset": dataset, "pair": pair, **metrics.aggregate(per_seed, exp.seeds)})
+            if len(exp.datasets) > 1:
+                results.append({**head, "dataset": "mean", "pair": pair,
+                                **metrics.mean_over_datasets(per_dataset, exp.seeds)})  # fmt: skip
     for r in results:
         if r["dataset"] != "mean":
             r.update(graph_facts(exp, r["dataset"]))
     return {"experiment": exp.name, "engine": exp.engine, "backend": exp.backend, "slots": exp.slots,
-            "n_agents": exp.n_agents, "n_tasks": exp.n_tasks, "results": results}  # fmt: skip
+            "n_agents": exp.n_agents, "n_tasks": exp.n_tasks, "methods": list(exp.methods),
+            "results": results}  # fmt: skip
 
 
 def graph_facts(exp: Experiment, dataset: str) -> dict:

@@ -15,12 +15,12 @@ _FAST = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST).strip()
 
-import copy  # noqa: E402
-import tomllib  # noqa: E402
+import copy
+import tomllib
 
-import pytest  # noqa: E402
+import pytest
 
-from meshheal_jax import topology  # noqa: E402
+from meshheal_jax import topology
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from meshheal_jax.streams import RECOVERY_PHASES
 
 TABLES = ("tasks", "reviews", "states", "calls")
 STAT_KEYS = {"mean", "std", "min", "max", "n_defined"}
-BASE_ARGS = ("--seeds", "1", "--tasks", "84", "--datasets", "math", "--quiet")
+BASE_ARGS = ("--methods", "meshheal", "--seeds", "1", "--tasks", "84", "--datasets", "math", "--quiet")
 
 
 def cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -50,21 +50,22 @@ def main_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 def test_main_exits_zero_and_prints_tables(main_run):
     proc, out = main_run
     assert proc.returncode == 0, proc.stderr
-    assert "MeshHeal, persistent degradation" in proc.stdout
+    assert "Persistent degradation" in proc.stdout and "Accuracy, calls and tokens per task" in proc.stdout
     assert "Detection" in proc.stdout
     assert "math" in proc.stdout
     assert f"results: {out}" in proc.stdout
+    assert f"report: {out / 'report.md'}" in proc.stdout
 
 
 def test_run_folder_contents(main_run):
     _, out = main_run
-    for name in ("config.json", "summary.json", *(f"{t}.parquet" for t in TABLES)):
+    for name in ("config.json", "summary.json", "report.md", *(f"{t}.parquet" for t in TABLES)):
         assert (out / name).is_file(), name
-    assert sorted(p.name for p in (out / "parts").iterdir()) == ["math-default-seed0"]
+    assert sorted(p.name for p in (out / "parts").iterdir()) == ["meshheal-math-default-seed0"]
     config = json.loads((out / "config.json").read_text())
     exp = config["experiment"]
     assert exp["name"] == "main" and exp["seeds"] == [0] and exp["n_tasks"] == 84
-    assert exp["datasets"] == ["math"] and exp["pairs"] == ["default"]
+    assert exp["datasets"] == ["math"] and exp["pairs"] == ["default"] and exp["methods"] == ["meshheal"]
     assert exp["protocol"]["alpha"] == 1.2
     assert "versions" in config and "git_revision" in config
 
@@ -92,6 +93,7 @@ def test_summary_keys(main_run):
     assert len(summary["results"]) == 1  # one dataset: no "mean" entry
     r = summary["results"][0]
     assert (r["method"], r["dataset"], r["pair"], r["seeds"]) == ("meshheal", "math", "default", [0])
+    assert (r["variant"], r["detector"]) == ("full", "relative")
     for key in ("acc_healthy", "acc_degraded", "phase_change", "calls_per_task_healthy",
                 "calls_per_task_degraded", "tokens_per_task_healthy", "tokens_per_task_degraded",
                 "missed", "false_isolations"):  # fmt: skip
@@ -180,20 +182,20 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
 
 def test_resume_after_losing_a_stream_and_the_summary(tmp_path):
     out = tmp_path / "run"
-    args = ("--seeds", "2", "--tasks", "42", "--datasets", "math", "--quiet", "--out", str(out))
+    args = ("--methods", "meshheal", "--seeds", "2", "--tasks", "42", "--datasets", "math", "--quiet", "--out", str(out))
     first = cli("main", *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     summary = json.loads((out / "summary.json").read_text())
     frames = read_frames(out)
     assert sorted(frames["tasks"]["seed"].unique().to_list()) == [0, 1]
-    kept = out / "parts" / "math-default-seed0" / "tasks.parquet"
+    kept = out / "parts" / "meshheal-math-default-seed0" / "tasks.parquet"
     kept_stat = kept.stat()
     (out / "summary.json").unlink()
-    shutil.rmtree(out / "parts" / "math-default-seed1")
+    shutil.rmtree(out / "parts" / "meshheal-math-default-seed1")
 
     second = cli("main", *args, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
-    assert (out / "parts" / "math-default-seed1").is_dir()
+    assert (out / "parts" / "meshheal-math-default-seed1").is_dir()
     assert kept.stat().st_mtime_ns == kept_stat.st_mtime_ns  # the finished stream was not re-run
     assert json.loads((out / "summary.json").read_text()) == summary
     for name, df in read_frames(out).items():
@@ -204,7 +206,8 @@ def test_rerun_with_another_configuration_is_refused(main_run, tmp_path):
     proc, out = main_run
     assert proc.returncode == 0
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    other = cli("main", "--seeds", "1", "--tasks", "42", "--datasets", "math", "--quiet", "--out", str(out),
+    other = cli("main", "--methods", "meshheal", "--seeds", "1", "--tasks", "42", "--datasets", "math", "--quiet",
+                "--out", str(out),
                 cwd=tmp_path)  # fmt: skip
     assert other.returncode == 2
     lines = other.stderr.strip().splitlines()
@@ -287,10 +290,12 @@ def test_bad_stream_length_writes_nothing(tmp_path):
 
 def test_recovery_cli(tmp_path):
     out = tmp_path / "rec"
-    proc = cli("recovery", "--seeds", "1", "--tasks", "210", "--quiet", "--out", str(out), cwd=tmp_path)
+    proc = cli("recovery", "--methods", "meshheal", "--seeds", "1", "--tasks", "210", "--quiet", "--out", str(out),
+               cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "staggered degradation and recovery" in proc.stdout
-    assert "State changes, seed 0" in proc.stdout
+    assert "Staggered degradation and recovery" in proc.stdout
+    assert "State changes of meshheal, seed 0" in proc.stdout
+    assert (out / "report.md").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["experiment"] == "recovery" and summary["n_tasks"] == 210
     (r,) = summary["results"]

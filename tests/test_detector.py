@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from meshheal_jax import reference as R
 from meshheal_jax import topology
 from meshheal_jax.config import ProtocolParams
+from meshheal_jax.errors import MeshHealError
 
 P = ProtocolParams()
 NORMAL, WATCHED, ISOLATED = R.NORMAL, R.WATCHED, R.ISOLATED
@@ -338,3 +339,119 @@ def test_window_ring_buffer():
         w.push(x)
     assert w.slots == [4.0, 2.0, 3.0] and w.filled() == 3 and w.count == 4
     assert w.mean() == 3.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Detector variants (baselines.md "Detector variants"): absolute and CUSUM, reference engine
+# ----------------------------------------------------------------------------------------------
+
+P_ABS = ProtocolParams(detector="absolute")
+P_CUSUM = ProtocolParams(detector="cusum")
+
+
+def variant_world(params: ProtocolParams) -> R.ReferenceNetwork:
+    return R.ReferenceNetwork(topology.build_network(topology.load_profile("bbh"), 6), params, 7)
+
+
+def test_detector_defaults_and_validation():
+    assert (P.variant, P.detector) == ("full", "relative")
+    assert (P.absolute_threshold, P.absolute_scale) == (0.70, 0.10)
+    assert (P.cusum_target, P.cusum_k, P.cusum_h) == (0.85, 0.05, 1.0)
+    with pytest.raises(MeshHealError, match="unknown detector 'page'.*relative, absolute, cusum"):
+        ProtocolParams(detector="page")
+    with pytest.raises(MeshHealError, match="unknown MeshHeal variant 'solo'.*full, single_reviewer, no_takeover"):
+        ProtocolParams(variant="solo")
+    with pytest.raises(MeshHealError, match="absolute_scale"):
+        ProtocolParams(absolute_scale=0.0)
+    with pytest.raises(MeshHealError, match="cusum_h"):
+        ProtocolParams(cusum_h=0.0)
+
+
+def test_absolute_isolates_at_its_threshold_exactly():
+    """Own mean 0.50: z_abs = (0.70 - 0.50) / 0.10 = 1.9999999999999996 in float64, a beta
+    crossing only through the 1e-9 tolerance; two in a row isolate. No peer evidence is needed."""
+    world = variant_world(P_ABS)
+    outs = [world.observe(0, T, S, 0.5, t, WARMUP) for t in (40, 41, 42)]
+    assert [o["z"] for o in outs[:2]] == [None, None]  # fewer than 3 scores
+    z = outs[2]["z"]
+    assert z == (0.70 - 0.5) / 0.10 and z < 2.0  # below beta by rounding only
+    assert (outs[2]["to"], outs[2]["reason"], world.consecutive[0]) == (WATCHED, "z>=alpha", 1)
+    out = world.observe(0, T, S, 0.5, 43, WARMUP)
+    assert (out["from"], out["to"], out["reason"]) == (WATCHED, ISOLATED, "consecutive z>=beta")
+    assert world.probe_timer[0] == 43 and world.consecutive[0] == 0
+    assert world.n_shortfalls[(0, T, S)] == 0  # the absolute detector records no shortfalls
+
+
+def test_absolute_just_above_threshold_does_not_count():
+    world = variant_world(P_ABS)
+    for t in (40, 41, 42, 43):
+        out = world.observe(0, T, S, 0.5 + 1e-8, t, WARMUP)  # z = 1.9999999: beyond the tolerance
+    assert out["to"] == WATCHED and world.consecutive[0] == 0
+
+
+def test_absolute_watched_band_and_recovery():
+    world = variant_world(P_ABS)
+    for t, q in zip((40, 41, 42), (1.0, 0.5, 0.25)):  # mean 0.58333: z = 1.1667 < alpha
+        out = world.observe(0, T, S, q, t, WARMUP)
+    assert out["z"] == pytest.approx((0.70 - 1.75 / 3) / 0.10) and out["to"] == NORMAL
+    out = world.observe(0, T, S, 0.25, 44, WARMUP)  # mean 0.5: counted, watched
+    assert (out["to"], world.consecutive[0]) == (WATCHED, 1)
+    out = world.observe(0, T, S, 1.0, 45, WARMUP)  # mean 0.6: z = 1.0 < alpha
+    assert (out["to"], out["reason"], world.consecutive[0]) == (NORMAL, "z<alpha", 0)
+
+
+def test_absolute_warmup_and_window():
+    world = variant_world(P_ABS)
+    for t in range(1, WARMUP + 1):
+        out = world.observe(0, T, S, 0.0, t, WARMUP)
+        assert out["z"] is None and world.state[0] == NORMAL
+    states = []
+    for k in range(8):  # ones replace the warm-up zeros in the window of 8: mean (k + 1) / 8
+        out = world.observe(0, T, S, 1.0, WARMUP + 1 + k, WARMUP)
+        states.append(out["to"])
+    assert out["z"] == pytest.approx(-3.0)
+    # z = 5.75, 4.5 (isolated), 3.25, 2.0 (within tolerance: stays), 0.75 (watched), -0.5 (normal)
+    assert states == [WATCHED, ISOLATED, ISOLATED, ISOLATED, WATCHED, NORMAL, NORMAL, NORMAL]
+
+
+# hand computation: S_k = max(0, S_{k-1} + (0.85 - q_k) - 0.05)
+CUSUM_QS = (1.0, 0.5, 0.25, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+CUSUM_S = (0.0, 0.30, 0.85, 1.65, 1.45, 1.25, 1.05, 0.85, 0.65, 0.45)
+CUSUM_STATES = (NORMAL, NORMAL, WATCHED, ISOLATED, ISOLATED, ISOLATED, ISOLATED, WATCHED, WATCHED, NORMAL)
+CUSUM_REASONS = ("", "", "S>=h/2", "S>=h", "", "", "", "probe S<h", "", "S<h/2")
+
+
+def test_cusum_statistic_and_transitions_against_hand_computation():
+    world = variant_world(P_CUSUM)
+    for k, (q, s_hand, state, reason) in enumerate(zip(CUSUM_QS, CUSUM_S, CUSUM_STATES, CUSUM_REASONS)):
+        out = world.observe(0, T, S, q, 50 + k, WARMUP)
+        assert world.cusum[(0, T, S)] == pytest.approx(s_hand, abs=1e-12)
+        assert (out["to"], out["reason"]) == (state, reason), k
+        if k < 2:
+            assert out["z"] is None  # fewer than 3 scores: S grows, no decision yet
+        else:
+            assert out["z"] == world.cusum[(0, T, S)]  # the statistic is reported as z
+    assert world.probe_timer[0] == 53  # set on entering isolated
+    assert world.consecutive[0] == 0  # CUSUM does not use the consecutive counter
+    assert world.cusum[(0, T, 0)] == 0.0 and world.cusum[(1, T, S)] == 0.0  # per (agent, type, ability)
+
+
+def test_cusum_accumulates_during_warmup_without_transitions():
+    world = variant_world(P_CUSUM)
+    for t in range(WARMUP - 3, WARMUP + 1):
+        out = world.observe(0, T, S, 0.0, t, WARMUP)
+        assert out["z"] is None and world.state[0] == NORMAL
+    assert world.cusum[(0, T, S)] == pytest.approx(4 * 0.80)
+    out = world.observe(0, T, S, 1.0, WARMUP + 1, WARMUP)  # S = 3.2 - 0.2 = 3.0 >= h: isolated at once
+    assert (out["to"], out["reason"]) == (ISOLATED, "S>=h") and out["z"] == pytest.approx(3.0)
+
+
+def test_cusum_thresholds_with_tolerance():
+    assert R.next_state_cusum(NORMAL, 0.5 - 1e-10, P_CUSUM) == (WATCHED, "S>=h/2")
+    assert R.next_state_cusum(NORMAL, 0.5 - 1e-6, P_CUSUM) == (NORMAL, "")
+    assert R.next_state_cusum(NORMAL, 1.0 - 1e-10, P_CUSUM) == (ISOLATED, "S>=h")
+    assert R.next_state_cusum(WATCHED, 0.9, P_CUSUM) == (WATCHED, "")
+    assert R.next_state_cusum(WATCHED, 0.4, P_CUSUM) == (NORMAL, "S<h/2")
+    assert R.next_state_cusum(ISOLATED, 1.0, P_CUSUM) == (ISOLATED, "")
+    assert R.next_state_cusum(ISOLATED, 0.2, P_CUSUM) == (WATCHED, "probe S<h")  # one step at a time
+    assert R.cusum_update(0.0, 1.0, P_CUSUM) == 0.0  # never below zero

@@ -8,7 +8,7 @@ compiled program per method: a scan over a stream's tasks, vmapped over streams.
 __all__ = ["METHODS", "BaselineSpec", "run_baseline_streams", "simulate"]
 
 
-def __getattr__(name: str):  # lazy, so `python -m meshheal_jax.baselines.run` imports run once
+def __getattr__(name: str):  # lazy: importing the package compiles nothing and imports no jax
     if name in __all__:
         from meshheal_jax.baselines import run
 

@@ -1,5 +1,6 @@
 """Run a baseline over many streams as one compiled program: a `lax.scan` over each stream's tasks,
-`vmap` over streams (seeds × datasets), then the records as `metrics.SCHEMAS` rows.
+`vmap` over streams (seeds × datasets), then the records as `metrics.SCHEMAS` rows. The experiments
+(`python -m meshheal_jax.main` / `recovery`, through `runner.run`) call this for every baseline.
 
     tables = run_baseline_streams("raps", specs, "default")
     tables[0]["tasks"]  # list of row dicts with exactly the columns of metrics.SCHEMAS["tasks"]
@@ -107,78 +108,3 @@ def run_baseline_streams(
         one = jax.tree_util.tree_map(lambda x, k=k: x[k], outs)
         results.append(C.tables(one, spec.stream, spec.schedule, pair, labels))
     return results
-
-
-# ------------------------------------------------------------------------------------------------
-# A quick table (the lead's `meshheal_jax.main --methods` is the full experiment runner)
-# ------------------------------------------------------------------------------------------------
-
-
-def summary_table(methods, dataset: str = "bbh", seeds=(0, 1, 2, 3, 4), pair: str = "default",
-                  n_tasks: int = 504, overrides: dict | None = None) -> list[dict]:  # fmt: skip
-    """Experiment 1's persistent schedule on one dataset: per method the stats over seeds of
-    accuracy H / D, the paired phase change and calls / tokens per task per phase."""
-    import dataclasses
-
-    from meshheal_jax import metrics
-    from meshheal_jax.streams import make_stream, persistent_schedule
-    from meshheal_jax.topology import build_network, load_profile
-
-    profile = load_profile(dataset)
-    network = build_network(profile)
-    schedule = persistent_schedule(network.n_agents, n_tasks, network.degraded_targets)
-    phases = ((1, n_tasks // 2 + 1), ("healthy", "degraded"))
-    rows = []
-    for method in methods:
-        params = DEFAULT_PARAMS[method]()
-        fields = {f.name for f in dataclasses.fields(params)}
-        params = dataclasses.replace(params, **{k: v for k, v in (overrides or {}).items() if k in fields})
-        specs = [
-            BaselineSpec(network, make_stream(s, profile.dataset_id, n_tasks, len(profile.task_types), *phases),
-                         schedule, {"method": method, "dataset": dataset, "pair": pair, "seed": s})
-            for s in seeds
-        ]  # fmt: skip
-        per_seed = []
-        for one in run_baseline_streams(method, specs, pair, params):
-            frames = {name: metrics.frame(name, one[name]) for name in one}
-            per_seed.append(metrics.stream_metrics(frames["tasks"], frames["reviews"], frames["states"], schedule,
-                                                   phases[1]))  # fmt: skip
-        stats = metrics.aggregate(per_seed, seeds)
-        rows.append({"method": method, **{k: stats[k] for k in metrics.SCALAR_KEYS}})
-    return rows
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Baselines on experiment 1's schedule (emulated).")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--dataset", default="bbh")
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--pair", default="default")
-    parser.add_argument(
-        "--judge-rule", default=None, choices=("caller", "ability"), help="RAPS / SAC judge model"
-    )
-    args = parser.parse_args(argv)
-    overrides = {} if args.judge_rule is None else {"judge_rule": args.judge_rule}
-    rows = summary_table(args.methods, args.dataset, tuple(range(args.seeds)), args.pair, overrides=overrides)
-
-    def fmt(stat, scale=1.0, digits=3):
-        if stat["mean"] is None:
-            return "null"
-        std = "" if stat["std"] is None else f" ± {stat['std'] * scale:.{digits}f}"
-        return f"{stat['mean'] * scale:.{digits}f}{std}"
-
-    print(f"{args.dataset}, pair {args.pair}, seeds 0..{args.seeds - 1}" + (f", judge_rule {args.judge_rule}"
-                                                                         if args.judge_rule else ""))  # fmt: skip
-    print(f"{'method':<9} {'acc H':>15} {'acc D':>15} {'D-H':>16} {'calls H':>13} {'calls D':>13} "
-          f"{'ktok H':>13} {'ktok D':>13}")  # fmt: skip
-    for r in rows:
-        print(f"{r['method']:<9} {fmt(r['acc_healthy']):>15} {fmt(r['acc_degraded']):>15} "
-              f"{fmt(r['phase_change']):>16} {fmt(r['calls_per_task_healthy'], 1, 2):>13} "
-              f"{fmt(r['calls_per_task_degraded'], 1, 2):>13} {fmt(r['tokens_per_task_healthy'], 1e-3, 1):>13} "
-              f"{fmt(r['tokens_per_task_degraded'], 1e-3, 1):>13}")  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()
