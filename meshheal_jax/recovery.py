@@ -72,8 +72,10 @@ def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:
                 table.add_row(ph["name"], f"{k * n + 1}–{(k + 1) * n}",
                               *(fmt(r["phases"][k][key], digits, scale) for r in rs))  # fmt: skip
             print_table(table)
-        print("Delays: mean ± std (min–max) n=seeds where defined; closure: seeds where the agent stays isolated to "
-              "the end of its degradation; reintegration: tasks from restoration to its final run in state normal.")
+        print(
+            "Delays: mean ± std (min–max) n=seeds where defined; closure: seeds where the agent stays isolated to "
+            "the end of its degradation; reintegration: tasks from restoration to its final run in state normal."
+        )
         agents = new_table(
             "Self-healing per degraded agent",
             "method", "agent", "degraded", "detection delay", "closure", "reintegration delay",
@@ -94,7 +96,9 @@ def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:
                 errors.add_row(method_label(r), fmt(r["missed"], 2), fmt(r["false_isolations"], 2),
                                fmt(r["false_isolated_agents"], 2))  # fmt: skip
             else:
-                errors.add_row(method_label(r), f"all ({NEVER_ISOLATED})", "— (no detector)", "— (no detector)")
+                errors.add_row(
+                    method_label(r), f"all ({NEVER_ISOLATED})", "— (no detector)", "— (no detector)"
+                )
         print_table(errors)
         if any(not isolates(r) for r in rs):
             print(f"Baselines have no detector: their degraded agents are {NEVER_ISOLATED} (detection delay null, "

@@ -138,6 +138,8 @@ def _phase_names(summary: dict) -> list[str] | None:
 def scaling_entries(summary: dict) -> list[dict]:
     """Entries for plots.scaling_plot: results that carry n_agents and topology, or the whole
     summary as one entry when n_agents/topology are top-level (one network size per run)."""
+    if summary.get("experiment") != "scale":
+        return []  # main / recovery results carry n_agents and topology too; one size is no curve
     results = summary.get("results", [])
     entries = [r for r in results if "n_agents" in r and "topology" in r]
     if entries:
@@ -359,6 +361,8 @@ def _seed_flags(seeds: Sequence[int]) -> list[str]:
 
 def _common_flags(exp: dict, pair: str) -> list[str]:
     flags = [*_seed_flags(exp.get("seeds", [0])), "--pair", pair]
+    if exp.get("name") in ("main", "recovery") and exp.get("methods"):
+        flags += ["--methods", *exp["methods"]]
     for key, flag in (("engine", "--engine"), ("slots", "--slots")):
         if key in exp:
             flags += [flag, str(exp[key])]

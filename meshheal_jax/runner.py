@@ -28,7 +28,13 @@ from meshheal_jax import graphs, metrics, reference
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
-from meshheal_jax.streams import HealthSchedule, RECOVERY_PHASES, make_stream, persistent_schedule, recovery_schedule
+from meshheal_jax.streams import (
+    RECOVERY_PHASES,
+    HealthSchedule,
+    make_stream,
+    persistent_schedule,
+    recovery_schedule,
+)
 from meshheal_jax.topology import Network, build_network, load_profile, replicate_holds
 
 TABLES = ("tasks", "reviews", "states", "calls")
@@ -373,8 +379,8 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
             for dataset in exp.datasets:
                 per_seed = []
                 for seed in exp.seeds:
-                    def pick(name: str) -> pl.DataFrame:
-                        return split[name].get((method, dataset, pair, seed), frames[name].clear())
+                    def pick(name: str, key=(method, dataset, pair, seed)) -> pl.DataFrame:
+                        return split[name].get(key, frames[name].clear())
 
                     m = metrics.stream_metrics(pick("tasks"), pick("reviews"), pick("states"), schedule, phase_names,
                                                per_agent=exp.n_agents <= 6)  # fmt: skip

@@ -287,7 +287,7 @@ def test_rerunning_the_same_command_reuses_the_streams(jax_run):
     """The same scale command with the same --out: every finished stream is kept, same numbers."""
     out = jax_run["out"]
     parts = out / "sparse" / "parts"
-    assert sorted(p.name for p in parts.iterdir()) == [f"bbh-default-seed{s}" for s in SEEDS]
+    assert sorted(p.name for p in parts.iterdir()) == [f"meshheal-bbh-default-seed{s}" for s in SEEDS]
     before = file_snapshot(parts)
     proc = cli_subprocess(*JAX_ARGS, "--out", str(out), cwd=out.parent)
     assert proc.returncode == 0, proc.stderr
@@ -303,15 +303,15 @@ def test_rerunning_the_same_command_reuses_the_streams(jax_run):
 def test_resume_after_losing_one_stream(ref_run, monkeypatch):
     out = ref_run["out"]
     frames = {name: pl.read_parquet(out / "sparse" / f"{name}.parquet") for name in TABLES}
-    kept = file_snapshot(out / "sparse" / "parts" / "bbh-default-seed0") | file_snapshot(out / "complete" / "parts")
-    shutil.rmtree(out / "sparse" / "parts" / "bbh-default-seed1")
+    kept = file_snapshot(out / "sparse" / "parts" / "meshheal-bbh-default-seed0") | file_snapshot(out / "complete" / "parts")
+    shutil.rmtree(out / "sparse" / "parts" / "meshheal-bbh-default-seed1")
     (out / "summary.json").unlink()
     ran = []
     original = runner.run_one_stream
     monkeypatch.setattr(runner, "run_one_stream", lambda exp, *s: ran.append((exp.topology, *s)) or original(exp, *s))
     run_body(ref_run["cfg"])
     assert ran == [("sparse", "bbh", "default", 1)]
-    now = file_snapshot(out / "sparse" / "parts" / "bbh-default-seed0") | file_snapshot(out / "complete" / "parts")
+    now = file_snapshot(out / "sparse" / "parts" / "meshheal-bbh-default-seed0") | file_snapshot(out / "complete" / "parts")
     assert now == kept
     again = json.loads((out / "summary.json").read_text())
     assert [numbers(r) for r in again["results"]] == [numbers(r) for r in ref_run["summary"]["results"]]

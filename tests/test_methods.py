@@ -1,0 +1,222 @@
+"""Several methods in one experiment: MeshHeal and baselines as streams of one run folder.
+
+Small runs (84-task main streams, a 210-task recovery stream; MeshHeal on the reference engine,
+RAPS through its compiled baseline program): summary entries and their fields, paired task order
+across methods, resume per (method, stream), the printed words for what a baseline never does,
+and an unknown method refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from meshheal_jax import runner
+
+TABLES = ("tasks", "reviews", "states", "calls")
+STAT_KEYS = {"mean", "std", "min", "max", "n_defined"}
+METHODS = ("meshheal", "raps")
+MAIN_ARGS = ("--methods", *METHODS, "--seeds", "2", "--datasets", "bbh", "math", "--tasks", "84",
+             "--engine", "reference", "--quiet")  # fmt: skip
+
+
+def cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", f"meshheal_jax.{module}", *args],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def main_experiment() -> runner.Experiment:
+    """The experiment MAIN_ARGS describe (as main.experiment builds it)."""
+    return runner.Experiment(
+        name="main", datasets=("bbh", "math"), pairs=("default",), seeds=(0, 1), methods=METHODS,
+        engine="reference", n_tasks=84, degraded=(2, 4),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, dict]:
+    root = tmp_path_factory.mktemp("methods")
+    out = root / "run"
+    proc = cli("main", *MAIN_ARGS, "--out", str(out), cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    return proc, out, json.loads((out / "summary.json").read_text())
+
+
+def entry(summary: dict, method: str, dataset: str) -> dict:
+    (r,) = [r for r in summary["results"] if (r["method"], r["dataset"]) == (method, dataset)]
+    return r
+
+
+def test_method_names_match_the_baselines_package():
+    from meshheal_jax.baselines import run
+
+    assert runner.BASELINES == tuple(run.METHODS)
+    assert runner.METHODS == ("meshheal", *run.METHODS)
+
+
+def test_run_folder_has_one_part_per_method_and_stream_and_a_report(main_run):
+    _, out, _ = main_run
+    expected = sorted(f"{m}-{d}-default-seed{s}" for m in METHODS for d in ("bbh", "math") for s in (0, 1))
+    assert sorted(p.name for p in (out / "parts").iterdir()) == expected
+    assert (out / "report.md").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["experiment"]["methods"] == list(METHODS) and "method" not in config["experiment"]
+
+
+def test_summary_entries_name_method_variant_detector_pair(main_run):
+    _, _, summary = main_run
+    assert summary["methods"] == list(METHODS)
+    keys = [(r["method"], r["dataset"], r["pair"]) for r in summary["results"]]
+    assert keys == [(m, d, "default") for m in METHODS for d in ("bbh", "math", "mean")]
+    for r in summary["results"]:
+        if r["method"] == "meshheal":
+            assert (r["variant"], r["detector"]) == ("full", "relative")
+        else:
+            assert (r["variant"], r["detector"]) == ("full", runner.NO_DETECTOR) == ("full", "none")
+        assert r["seeds"] == [0, 1]
+        for key in ("missed", "false_isolations", "acc_healthy", "acc_degraded", "phase_change",
+                    "calls_per_task_healthy", "tokens_per_task_degraded"):  # fmt: skip
+            assert set(r[key]) == STAT_KEYS, key
+            assert r[key]["n_defined"] == 2, key
+
+
+def test_baseline_never_isolates(main_run):
+    _, out, summary = main_run
+    for dataset in ("bbh", "math"):
+        r = entry(summary, "raps", dataset)
+        assert r["missed"]["mean"] == 2 and r["missed"]["std"] == 0
+        assert r["false_isolations"]["mean"] == 0
+        assert [a["agent"] for a in r["agents"]] == [2, 4]
+        for a in r["agents"]:
+            assert a["detection_delay"] == {
+                "mean": None,
+                "std": None,
+                "min": None,
+                "max": None,
+                "n_defined": 0,
+            }
+            assert a["closure_seeds"] == 0
+            assert a["reintegration_delay"]["n_defined"] == 0
+    states = pl.read_parquet(out / "states.parquet")
+    assert states.filter(pl.col("method") == "raps").height == 0
+
+
+def test_summary_entries_agree_with_each_methods_records(main_run):
+    _, out, summary = main_run
+    tasks = pl.read_parquet(out / "tasks.parquet")
+    for method in METHODS:
+        per_dataset = []
+        for dataset in ("bbh", "math"):
+            mine = tasks.filter((pl.col("method") == method) & (pl.col("dataset") == dataset))
+            per_seed = [
+                mine.filter((pl.col("seed") == s) & (pl.col("t") > 42))["correct"].mean() for s in (0, 1)
+            ]
+            per_dataset.append(per_seed)
+            assert entry(summary, method, dataset)["acc_degraded"]["mean"] == pytest.approx(sum(per_seed) / 2)
+        within_seed = [(per_dataset[0][s] + per_dataset[1][s]) / 2 for s in (0, 1)]
+        assert entry(summary, method, "mean")["acc_degraded"]["mean"] == pytest.approx(sum(within_seed) / 2)
+    assert tasks["calls"].sum() == pl.read_parquet(out / "calls.parquet").height
+
+
+def test_paired_task_order_across_methods(main_run):
+    _, out, _ = main_run
+    tasks = pl.read_parquet(out / "tasks.parquet")
+    columns = ("dataset", "seed", "t", "task_type", "phase", "entry")
+    order = {
+        m: tasks.filter(pl.col("method") == m).sort("dataset", "seed", "t").select(columns) for m in METHODS
+    }
+    assert order["meshheal"].height == 2 * 2 * 84
+    assert order["meshheal"].equals(order["raps"])
+    s0 = order["meshheal"].filter((pl.col("dataset") == "bbh") & (pl.col("seed") == 0))["task_type"]
+    s1 = order["meshheal"].filter((pl.col("dataset") == "bbh") & (pl.col("seed") == 1))["task_type"]
+    assert not s0.equals(s1)  # seeds differ, methods within a seed do not
+
+
+def test_main_prints_tables_with_every_method_and_the_words(main_run):
+    proc, out, _ = main_run
+    text = proc.stdout
+    assert "Persistent degradation" in text and "Detection per degraded agent" in text
+    for word in ("meshheal", "raps", "bbh", "math", "mean", "never isolated", "not established"):
+        assert word in text, word
+    assert f"results: {out}" in text and f"report: {out / 'report.md'}" in text
+
+
+def test_resume_reruns_only_the_missing_method_streams(main_run, tmp_path, monkeypatch):
+    _, original, summary = main_run
+    out = tmp_path / "run"
+    shutil.copytree(original, out)
+    frames = {name: pl.read_parquet(out / f"{name}.parquet") for name in TABLES}
+    for part in ("raps-bbh-default-seed1", "meshheal-math-default-seed0"):
+        shutil.rmtree(out / "parts" / part)
+    (out / "summary.json").unlink()
+    kept = {p.name: (p / "tasks.parquet").stat().st_mtime_ns for p in (out / "parts").iterdir()}
+    ran = []
+    one, baseline = runner.run_one_stream, runner.run_baseline_streams
+    monkeypatch.setattr(
+        runner, "run_one_stream", lambda exp, *s: ran.append(("meshheal", *s)) or one(exp, *s)
+    )
+    monkeypatch.setattr(runner, "run_baseline_streams",
+                        lambda exp, m, streams: ran.extend((m, *s) for s in streams) or baseline(exp, m, streams))  # fmt: skip
+    results = runner.run(main_experiment(), out, progress=False)
+    assert ran == [("meshheal", "math", "default", 0), ("raps", "bbh", "default", 1)]
+    assert {p: (out / "parts" / p / "tasks.parquet").stat().st_mtime_ns for p in kept} == kept
+    assert results.summary == summary
+    for name, df in frames.items():
+        assert pl.read_parquet(out / f"{name}.parquet").equals(df, null_equal=True), name
+
+
+def test_recovery_says_what_a_baseline_never_does(tmp_path):
+    out = tmp_path / "rec"
+    proc = cli("recovery", "--methods", *METHODS, "--seeds", "1", "--tasks", "210", "--engine", "reference",
+               "--quiet", "--out", str(out), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "Accuracy per phase" in text and "Tokens per task (k) per phase" in text
+    assert "Self-healing per degraded agent" in text and "State changes of meshheal, seed 0" in text
+    raps_rows = [line for line in text.splitlines() if "│ raps" in line and "agent" in line]
+    assert len(raps_rows) == 2  # A5 and A3
+    for line in raps_rows:
+        assert "never isolated" in line and "not established" in line and "undefined" in line
+    summary = json.loads((out / "summary.json").read_text())
+    raps = entry(summary, "raps", "math")
+    assert (raps["variant"], raps["detector"]) == ("full", "none")
+    assert {a["agent"]: (a["degraded_at"], a["recovered_at"]) for a in raps["agents"]} == {
+        4: (43, 127),
+        2: (85, 169),
+    }
+    for a in raps["agents"]:
+        assert a["detection_delay"]["n_defined"] == 0 and a["closure_seeds"] == 0
+        assert a["reintegration_delay"]["mean"] is None and a["reintegration_delay"]["n_defined"] == 0
+    assert [len(r["phases"]) for r in summary["results"]] == [5, 5]
+    assert (out / "report.md").is_file()
+
+
+def test_unknown_method_exits_2_with_one_line(tmp_path):
+    out = tmp_path / "out"
+    proc = cli("main", "--methods", "meshheal", "nosuch", "--quiet", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0] == f"error: unknown method 'nosuch'; known: {', '.join(runner.METHODS)}"
+    assert not out.exists()
+
+
+def test_a_run_folder_of_the_one_method_layout_is_refused(tmp_path):
+    out = tmp_path / "old"
+    out.mkdir()
+    old = {k: v for k, v in main_experiment().to_json().items() if k != "methods"}
+    (out / "config.json").write_text(
+        json.dumps({runner.RUN_MARKER: True, "experiment": {**old, "method": "meshheal"}})
+    )
+    with pytest.raises(runner.MeshHealError, match="older layout"):
+        runner.prepare_run_dir(main_experiment(), out)
