@@ -9,7 +9,6 @@ import dataclasses
 
 from meshheal_jax.errors import MeshHealError
 
-
 VARIANTS = ("full", "single_reviewer", "no_takeover")
 DETECTORS = ("relative", "absolute", "cusum")
 

@@ -359,7 +359,7 @@ def test_detector_defaults_and_validation():
     assert (P.cusum_target, P.cusum_k, P.cusum_h) == (0.85, 0.05, 1.0)
     with pytest.raises(MeshHealError, match="unknown detector 'page'.*relative, absolute, cusum"):
         ProtocolParams(detector="page")
-    with pytest.raises(MeshHealError, match="unknown MeshHeal variant 'solo'.*full, single_reviewer, no_takeover"):
+    with pytest.raises(MeshHealError, match="unknown MeshHeal variant 'solo'.*single_reviewer, no_takeover"):
         ProtocolParams(variant="solo")
     with pytest.raises(MeshHealError, match="absolute_scale"):
         ProtocolParams(absolute_scale=0.0)

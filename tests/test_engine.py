@@ -39,7 +39,7 @@ def recovery_spec(seed: int) -> engine.StreamSpec:
 
 def first_difference(ref_rows: list[dict], jax_rows: list[dict], table: str) -> str | None:
     """'' if equal; else the first differing row with its task and fields."""
-    a = metrics.frame(table, ref_rows)
+    a = ref_rows if isinstance(ref_rows, pl.DataFrame) else metrics.frame(table, ref_rows)
     b = jax_rows if isinstance(jax_rows, pl.DataFrame) else metrics.frame(table, jax_rows)
     for i in range(min(a.height, b.height)):
         ra, rb = a.row(i, named=True), b.row(i, named=True)
@@ -82,8 +82,10 @@ def test_vmap_equals_separate_runs_and_is_deterministic():
     alone = engine.run_streams([specs[1]], PROTOCOL)
     again = engine.run_streams([specs[1]], PROTOCOL)
     for table in TABLES:
-        assert together[1][table].equals(alone[0][table])
-        assert alone[0][table].equals(again[0][table])
+        # same draws, same decisions; floats may differ in the last bit between batch widths
+        # (XLA fuses differently), within the reference comparison's 1e-9
+        assert first_difference(together[1][table], alone[0][table], table) is None
+        assert alone[0][table].equals(again[0][table])  # same program, same inputs: bit for bit
 
 
 def test_compiles_once_per_shape():

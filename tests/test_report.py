@@ -77,7 +77,7 @@ def test_recovery_report(recovery_run):
     assert_png(recovery_run.run_dir / "trajectory_seed3.png")
     assert_png(recovery_run.run_dir / "phase_accuracy.png")
     assert (
-        "python -m meshheal_jax.recovery --seed-list 3 --pair default --engine reference --slots 1 "
+        "python -m meshheal_jax.recovery --seed-list 3 --pair default --methods meshheal --engine reference --slots 1 "
         "--dataset math --tasks 210" in text
     )
     config = json.loads(text.split("```json\n", 1)[1].split("\n```", 1)[0])
@@ -95,7 +95,7 @@ def test_main_report(main_run):
     assert "trajectory" not in text
     assert_png(main_run.run_dir / "phase_accuracy.png")
     assert (
-        "python -m meshheal_jax.main --seeds 2 --pair default --engine reference --slots 1 --datasets bbh "
+        "python -m meshheal_jax.main --seeds 2 --pair default --methods meshheal --engine reference --slots 1 --datasets bbh "
         "--tasks 84 --degraded 2 4" in text
     )
 
@@ -111,7 +111,7 @@ def test_reproduce_commands_carry_protocol_changes_and_argv():
     )
     commands = report.reproduce_commands({"experiment": exp.to_json()}, Path("runs/x"))
     assert commands[0] == (
-        "python -m meshheal_jax.recovery --seed-list 4 7 --pair A --engine jax --slots 1 "
+        "python -m meshheal_jax.recovery --seed-list 4 7 --pair A --methods meshheal --engine jax --slots 1 "
         "--protocol.alpha 1.5 --protocol.probe-interval 5 --dataset math --tasks 630"
     )
     assert commands[1].startswith("python -m meshheal_jax.recovery --seed-list 4 7 --pair B ")
