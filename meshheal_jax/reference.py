@@ -17,7 +17,7 @@ import math
 
 from meshheal_jax import draws as D
 from meshheal_jax.config import ProtocolParams
-from meshheal_jax.params import Pair, ModelParams
+from meshheal_jax.params import ModelParams, Pair
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network
 

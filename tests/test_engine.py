@@ -12,7 +12,7 @@ import pytest
 from meshheal_jax import engine, metrics, reference
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import load_pair
-from meshheal_jax.streams import make_stream, persistent_schedule, recovery_schedule, RECOVERY_PHASES
+from meshheal_jax.streams import RECOVERY_PHASES, make_stream, persistent_schedule, recovery_schedule
 from meshheal_jax.topology import build_network, load_profile
 
 PROTOCOL = ProtocolParams()

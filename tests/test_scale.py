@@ -238,7 +238,6 @@ def test_summary_agrees_with_the_records(jax_run):
     result = jax_run["summary"]["results"][0]
     tasks = pl.read_parquet(run_dir / "tasks.parquet")
     states = pl.read_parquet(run_dir / "states.parquet")
-    schedule = scale.experiment(jax_run["cfg"], "sparse").schedule()
     acc_h, acc_d, isolated, false_iso = [], [], [], []
     for seed in SEEDS:
         part = tasks.filter(pl.col("seed") == seed)
