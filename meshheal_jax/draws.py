@@ -96,3 +96,28 @@ def stream_draws(seed: int, dataset_id: int, n_tasks: int) -> TaskDraws:
     draws = _stream_draws(jnp.int32(seed), jnp.int32(dataset_id), ts)
     return jax.tree_util.tree_map(np.asarray, draws)
 
+
+# ----------------------------------------------------------------------------------------------
+# The conventions above as functions (the JAX engine and the baselines; the reference engine
+# keeps its own plain-Python versions on purpose)
+# ----------------------------------------------------------------------------------------------
+
+
+def pick_index(u, n):
+    """min(floor(u n), n - 1) as int32 (n >= 1)."""
+    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
+
+
+def pick_from_mask(u, mask):
+    """The k-th True entry in increasing index, k = pick_index(u, count); -1 if none."""
+    count = mask.sum()
+    k = pick_index(u, jnp.maximum(count, 1))
+    position = jnp.argmax(jnp.cumsum(mask) == k + 1)
+    return jnp.where(count > 0, position, -1).astype(jnp.int32)
+
+
+def categorical(u, thresholds):
+    """The first k with u < thresholds[..., k] (elementwise over u's shape)."""
+    u = jnp.asarray(u)
+    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(jnp.int32)
+

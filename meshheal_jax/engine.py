@@ -24,6 +24,7 @@ import polars as pl
 
 from meshheal_jax import draws as D
 from meshheal_jax.config import ProtocolParams
+from meshheal_jax.draws import categorical, pick_from_mask, pick_index
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import SCHEMAS
 from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
@@ -318,23 +319,6 @@ def initial_backend(n_slots: int) -> Backend:
 # ----------------------------------------------------------------------------------------------
 # Small pure helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def pick_index(u, n):
-    """min(floor(u n), n - 1) as int32 (n >= 1)."""
-    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
-
-
-def pick_from_mask(u, mask):
-    """The k-th True entry (increasing index), k = pick_index(u, count); -1 if none."""
-    count = mask.sum()
-    k = pick_index(u, jnp.maximum(count, 1))
-    position = jnp.argmax(jnp.cumsum(mask) == k + 1)
-    return jnp.where(count > 0, position, -1).astype(jnp.int32)
-
-
-def categorical(u, thresholds):
-    return jnp.minimum(jnp.sum(u >= thresholds), thresholds.shape[-1] - 1).astype(jnp.int32)
 
 
 def distance_tables(holds, nbr, state):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshheal_jax import draws as D
+from meshheal_jax.draws import categorical, pick_from_mask, pick_index  # noqa: F401 (re-exported for the methods)
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
 from meshheal_jax.streams import HealthSchedule, Stream
@@ -294,29 +295,8 @@ assert set(TOKEN_SOURCE.values()) <= set(CALL_KINDS)
 
 
 # ------------------------------------------------------------------------------------------------
-# Small pure helpers (the draw conventions)
+# Small pure helpers (the draw conventions themselves live in draws.py)
 # ------------------------------------------------------------------------------------------------
-
-
-def pick_index(u, n):
-    """min(floor(u n), n - 1) as int32 (n >= 1)."""
-    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
-
-
-def pick_from_mask(u, mask):
-    """The k-th True entry in increasing index, k = pick_index(u, count); -1 if none."""
-    count = mask.sum()
-    k = pick_index(u, jnp.maximum(count, 1))
-    position = jnp.argmax(jnp.cumsum(mask) == k + 1)
-    return jnp.where(count > 0, position, -1).astype(jnp.int32)
-
-
-def categorical(u, thresholds):
-    """The first k with u < thresholds[..., k] (elementwise over u's shape)."""
-    u = jnp.asarray(u)
-    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(
-        jnp.int32
-    )
 
 
 def first_true(mask):
