@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from meshheal_jax import runner
-from meshheal_jax.cli import CommonFlags, entrypoint, fmt, fmt_range, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
 from meshheal_jax.config import VARIANTS
 from meshheal_jax.errors import MeshHealError
 
@@ -109,7 +109,7 @@ def experiment(cfg: AblateConfig, variant: str) -> runner.Experiment:
         name="ablate", datasets=(cfg.dataset,), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine=cfg.engine,
         slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded),
         protocol=dataclasses.replace(cfg.protocol, variant=variant), profiles_dir=cfg.profiles_dir,
-        params_dir=cfg.params_dir,
+        params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip
 
 

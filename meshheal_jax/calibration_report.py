@@ -18,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from meshheal_jax import metrics, runner
-from meshheal_jax.cli import CommonFlags, entrypoint, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, new_table, print_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,10 @@ def seed_context(frames: dict[str, dict[str, pl.DataFrame]], schedule, phase_nam
     pooled over datasets."""
     streams = {d: metrics.stream_metrics(f["tasks"], f["reviews"], f["states"], schedule, phase_names)
                for d, f in frames.items()}  # fmt: skip
-    return {"streams": streams, "audit": metrics.review_audit(pl.concat([f["reviews"] for f in frames.values()]))}
+    return {
+        "streams": streams,
+        "audit": metrics.review_audit(pl.concat([f["reviews"] for f in frames.values()])),
+    }
 
 
 def per_seed_contexts(results: runner.Results, exp: runner.Experiment, pair: str) -> list[dict]:
@@ -90,8 +93,11 @@ def per_seed_contexts(results: runner.Results, exp: runner.Experiment, pair: str
     _, phase_names = exp.phases()
     out = []
     for seed in exp.seeds:
+
         def pick(df: pl.DataFrame, dataset: str) -> pl.DataFrame:
-            return df.filter((pl.col("seed") == seed) & (pl.col("pair") == pair) & (pl.col("dataset") == dataset))
+            return df.filter(
+                (pl.col("seed") == seed) & (pl.col("pair") == pair) & (pl.col("dataset") == dataset)
+            )
 
         frames = {d: {name: pick(getattr(results, name), d) for name in ("tasks", "reviews", "states")}
                   for d in exp.datasets}  # fmt: skip
@@ -133,10 +139,12 @@ def body(cfg: ReportConfig) -> None:
     exp = runner.Experiment(
         name="main", datasets=("bbh", "math", "mmlu_pro"), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
         engine=cfg.engine, slots=cfg.slots, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        **backend_fields(cfg),
     )  # fmt: skip
     results = runner.run(exp, cfg.out, progress=not cfg.quiet)
     rows = evaluate({pair: per_seed_contexts(results, exp, pair) for pair in exp.pairs})
-    print_report(rows, f"Emulator calibration ({cfg.engine} engine, {len(exp.seeds)} seeds, non-probe outputs)")
+    source = "Live models" if cfg.backend == "live" else "Emulator calibration"
+    print_report(rows, f"{source} ({cfg.engine} engine, {len(exp.seeds)} seeds, non-probe outputs)")
     if cfg.json_out is not None:
         cfg.json_out.write_text(json.dumps(rows, indent=2))
     failed = [r["target"] for r in rows if r["priority"] == "primary" and not r["pass"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -37,6 +38,21 @@ class CommonFlags:
     protocol: ProtocolParams = ProtocolParams()
     quiet: bool = False
     """no progress bar"""
+    backend: Literal["emulated", "live"] = "emulated"
+    """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
+    e.g. serving/vllm_pair.sh; MeshHeal only)"""
+    strong_url: tuple[str, ...] = ()
+    """live: base URL(s) of the strong model's server(s), e.g. http://127.0.0.1:8000/v1 (round-robin)"""
+    weak_url: tuple[str, ...] = ()
+    """live: base URL(s) of the weak model's server(s)"""
+    live_config: Path | None = None
+    """live: a TOML file with any of strong_url, weak_url (lists), strong_model, weak_model (real model ids),
+    strong_served_name, weak_served_name, max_in_flight, max_tokens, data; flags given on the command line win"""
+    data: str | None = None
+    """live: the questions: hub (Hugging Face, the default), sample (the packaged sample) or a folder of
+    local benchmark files"""
+    max_tokens: int | None = None
+    """live: cap on every call's max_completion_tokens"""
 
     def seed_tuple(self) -> tuple[int, ...]:
         if self.seed_list is not None:
@@ -44,6 +60,52 @@ class CommonFlags:
         if self.seeds <= 0:
             raise MeshHealError(f"--seeds must be >= 1, got {self.seeds}")
         return tuple(range(self.seeds))
+
+
+LIVE_KEYS = ("strong_url", "weak_url", "strong_model", "weak_model", "strong_served_name", "weak_served_name",
+             "max_in_flight", "max_tokens", "data")  # fmt: skip
+
+
+def live_settings(flags: CommonFlags):
+    """The runner's LiveSettings from --live-config and the live flags (flags win); None when no
+    live setting is given at all (the runner then says what --backend live needs)."""
+    from meshheal_jax.runner import LiveSettings
+
+    doc: dict = {}
+    if flags.live_config is not None:
+        try:
+            doc = tomllib.loads(flags.live_config.read_text())
+        except OSError as err:
+            raise MeshHealError(f"cannot read --live-config {flags.live_config}: {err.strerror}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise MeshHealError(f"--live-config {flags.live_config} is not valid TOML: {err}") from None
+        unknown = sorted(set(doc) - set(LIVE_KEYS))
+        if unknown:
+            raise MeshHealError(
+                f"--live-config {flags.live_config}: unknown keys {unknown}; known: {list(LIVE_KEYS)}"
+            )
+    for key, value in (("strong_url", flags.strong_url), ("weak_url", flags.weak_url), ("data", flags.data),
+                       ("max_tokens", flags.max_tokens)):  # fmt: skip
+        if value:
+            doc[key] = value
+    if not doc:
+        return None
+
+    def urls(key: str) -> tuple[str, ...]:
+        value = doc.get(key, ())
+        return (value,) if isinstance(value, str) else tuple(value)
+
+    return LiveSettings(
+        strong_urls=urls("strong_url"), weak_urls=urls("weak_url"), strong_model=doc.get("strong_model"),
+        weak_model=doc.get("weak_model"), strong_served_name=doc.get("strong_served_name"),
+        weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 128)),
+        max_tokens=doc.get("max_tokens"), data=str(doc.get("data", "hub")),
+    )  # fmt: skip
+
+
+def backend_fields(flags: CommonFlags) -> dict:
+    """The Experiment fields of the backend flags (every experiment passes them through)."""
+    return {"backend": flags.backend, "live": live_settings(flags)}
 
 
 def entrypoint(config_type: type, body: Callable, description: str) -> None:
@@ -84,5 +146,7 @@ def print_table(table: Table) -> None:
 def new_table(title: str, *columns: str) -> Table:
     table = Table(title=title, title_justify="left")
     for col in columns:
-        table.add_column(col, justify="right" if col not in ("dataset", "method", "phase", "agent") else "left")
+        table.add_column(
+            col, justify="right" if col not in ("dataset", "method", "phase", "agent") else "left"
+        )
     return table

@@ -15,7 +15,7 @@ import dataclasses
 
 from meshheal_jax import runner
 from meshheal_jax.ablate import check_names, combined_out, run_all
-from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import DETECTORS
 from meshheal_jax.errors import MeshHealError
 
@@ -39,7 +39,7 @@ def experiment(cfg: DetectorsConfig, detector: str) -> runner.Experiment:
         name="detectors", datasets=(cfg.dataset,), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
         engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded),
         protocol=dataclasses.replace(cfg.protocol, detector=detector), profiles_dir=cfg.profiles_dir,
-        params_dir=cfg.params_dir,
+        params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip
 
 

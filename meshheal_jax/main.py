@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshheal_jax import report, runner
-from meshheal_jax.cli import CommonFlags, entrypoint, fmt, fmt_range, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
 
 NEVER_ISOLATED = "never isolated"
 NOT_ESTABLISHED = "not established"
@@ -36,6 +36,7 @@ def experiment(cfg: MainConfig) -> runner.Experiment:
         name="main", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
         methods=tuple(cfg.methods), engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks,
         degraded=tuple(cfg.degraded), protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        **backend_fields(cfg),
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import polars as pl
 
 from meshheal_jax import report, runner
-from meshheal_jax.cli import CommonFlags, entrypoint, fmt, fmt_range, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
 from meshheal_jax.main import NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED, isolates, method_label, ordered
 
 
@@ -35,7 +35,7 @@ def experiment(cfg: RecoveryConfig) -> runner.Experiment:
     return runner.Experiment(
         name="recovery", datasets=(cfg.dataset,), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
         methods=tuple(cfg.methods), engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, protocol=cfg.protocol,
-        profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip
 
 

@@ -113,6 +113,11 @@ def experiment_from_config(experiment: dict) -> runner.Experiment:
     for key in ("profiles_dir", "params_dir"):
         if fields.get(key) is not None:
             fields[key] = Path(fields[key])
+    if isinstance(fields.get("live"), dict):
+        live = dict(fields["live"])
+        for key in ("strong_urls", "weak_urls"):
+            live[key] = tuple(live.get(key) or ())
+        fields["live"] = runner.LiveSettings(**live)
     protocol_known = {f.name for f in dataclasses.fields(ProtocolParams)}
     fields["protocol"] = ProtocolParams(
         **{k: v for k, v in experiment.get("protocol", {}).items() if k in protocol_known}

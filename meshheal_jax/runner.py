@@ -44,6 +44,69 @@ METHODS = ("meshheal", *BASELINES)
 NO_DETECTOR = "none"  # the `detector` of a summary entry for a method without one (the baselines)
 
 Stream = tuple[str, str, str, int]  # (method, dataset, pair, seed)
+DATA_SOURCES = ("hub", "sample")  # live questions: the Hugging Face hub, the packaged sample, or a folder
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveSettings:
+    """Where the live backend's two models are served and what it asks them (spec/live.md).
+
+    The URLs are where, not what: a resumed run may find its servers on other ports, so they are
+    left out when a run folder's configuration is compared (`comparable`)."""
+
+    strong_urls: tuple[str, ...]
+    weak_urls: tuple[str, ...]
+    strong_model: str | None = None  # the served model's real id; None: read from /v1/models
+    weak_model: str | None = None
+    strong_served_name: str | None = None  # the name the server serves the model under; None: the role
+    weak_served_name: str | None = None  # (serving/vllm_pair.sh serves them as "strong" and "weak")
+    max_in_flight: int = 128  # per server
+    max_tokens: int | None = None  # cap on every call's max_completion_tokens (None: live_loop defaults)
+    data: str = "hub"  # questions: hub | sample | a folder of local benchmark files
+
+    def validate(self) -> None:
+        for role, urls in (("strong", self.strong_urls), ("weak", self.weak_urls)):
+            if not urls:
+                raise MeshHealError(f"--backend live needs the {role} model's server: --{role}-url URL "
+                                    "(or a --live-config file); start them with serving/vllm_pair.sh")  # fmt: skip
+        if self.max_in_flight < 1:
+            raise MeshHealError(f"live: max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise MeshHealError(f"live: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.data not in DATA_SOURCES and not Path(self.data).expanduser().exists():
+            raise MeshHealError(f"live: --data must be hub, sample or an existing folder of benchmark files; "
+                                f"{self.data!r} does not exist")  # fmt: skip
+
+    def questions(self, dataset: str, profiles_dir: Path | None):
+        """The benchmark records the live streams ask (data.load_hub / load_sample / load_local)."""
+        from meshheal_jax import data
+
+        profile = load_profile(dataset, profiles_dir)
+        if self.data == "hub":
+            return data.load_hub(dataset, profile=profile)
+        if self.data == "sample":
+            return data.load_sample(dataset, profile)
+        return data.load_local(dataset, self.data, profile)
+
+    def config(self, cache_path: Path):
+        from meshheal_jax.backends.live import ServerGroup
+        from meshheal_jax.backends.live_loop import LiveConfig
+
+        return LiveConfig(
+            servers=(ServerGroup("strong", self.strong_urls, self.strong_model, self.strong_served_name,
+                                 max_in_flight=self.max_in_flight),
+                     ServerGroup("weak", self.weak_urls, self.weak_model, self.weak_served_name,
+                                 max_in_flight=self.max_in_flight)),
+            cache_path=cache_path,
+        )  # fmt: skip
+
+    def options(self):
+        from meshheal_jax.backends.live_loop import DEFAULT_MAX_COMPLETION_TOKENS, LiveOptions
+
+        cap = self.max_tokens or max(DEFAULT_MAX_COMPLETION_TOKENS.values())
+        return LiveOptions(
+            max_completion_tokens={k: min(v, cap) for k, v in DEFAULT_MAX_COMPLETION_TOKENS.items()}
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +120,8 @@ class Experiment:
     methods: tuple[str, ...] = ("meshheal",)  # METHODS, in the order the tables show them
     engine: str = "jax"  # MeshHeal's engine; baselines always run their own vmapped JAX program
     slots: int = 1  # in-flight tasks per stream (jax engine; 1 = the paper's sequential semantics)
-    backend: str = "emulated"
+    backend: str = "emulated"  # emulated | live (MeshHeal only, jax engine; `live` says where the models are)
+    live: LiveSettings | None = None
     n_agents: int = 6
     n_tasks: int = 504
     degraded: tuple[int, ...] | None = (2, 4)  # degraded from the midpoint; None = A3/A5 of every replica
@@ -78,7 +142,9 @@ class Experiment:
         if len(set(self.methods)) != len(self.methods):
             raise MeshHealError(f"methods must be distinct, got {list(self.methods)}")
         if self.baselines() and self.slots != 1:
-            raise MeshHealError("baselines run one task at a time: use --slots 1 (or only --methods meshheal)")
+            raise MeshHealError(
+                "baselines run one task at a time: use --slots 1 (or only --methods meshheal)"
+            )
         if not self.seeds:
             raise MeshHealError("no seeds given")
         if any(s < 0 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
@@ -88,17 +154,42 @@ class Experiment:
         if self.engine == "reference" and self.slots != 1:
             raise MeshHealError("the reference engine runs one task at a time: use --slots 1 or --engine jax")
         if not 1 <= self.slots <= max(self.n_agents // 6, 1):
-            raise MeshHealError(f"slots must be in 1..{max(self.n_agents // 6, 1)} (at most N/6), got {self.slots}")
-        if self.topology not in ("complete", "sparse", "file") or (self.topology == "file") != (self.edges_file is not None):
-            raise MeshHealError(f"topology must be complete, sparse, or file with an edges file; got {self.topology!r}")
+            raise MeshHealError(
+                f"slots must be in 1..{max(self.n_agents // 6, 1)} (at most N/6), got {self.slots}"
+            )
+        if self.topology not in ("complete", "sparse", "file") or (self.topology == "file") != (
+            self.edges_file is not None
+        ):
+            raise MeshHealError(
+                f"topology must be complete, sparse, or file with an edges file; got {self.topology!r}"
+            )
         if self.n_agents % 6 or self.n_agents <= 0:
             raise MeshHealError(f"agents must be a positive multiple of 6, got {self.n_agents}")
         if self.topology == "complete" and self.n_agents > 2304:
-            raise MeshHealError(f"a complete graph of {self.n_agents} agents is not supported (at most 2,304); use --sparse")
+            raise MeshHealError(
+                f"a complete graph of {self.n_agents} agents is not supported (at most 2,304); use --sparse"
+            )
         if not set(self.tables) <= set(TABLES) or "tasks" not in self.tables:
             raise MeshHealError(f"tables must include tasks and be among {TABLES}, got {self.tables}")
-        if self.backend != "emulated":
-            raise MeshHealError(f"backend {self.backend!r} is not available (only 'emulated' so far)")
+        if self.backend not in ("emulated", "live"):
+            raise MeshHealError(f"unknown backend {self.backend!r}; known: emulated, live")
+        if self.backend == "live":
+            if self.live is None:
+                raise MeshHealError(
+                    "--backend live needs --strong-url and --weak-url (or --live-config FILE)"
+                )
+            self.live.validate()
+            if self.baselines():
+                raise MeshHealError(
+                    f"the live backend runs MeshHeal only: the baselines ({', '.join(self.baselines())}) are "
+                    "emulated-only per-task programs so far; use --methods meshheal"
+                )  # fmt: skip
+            if self.engine != "jax":
+                raise MeshHealError("the live backend drives the jax engine's controller: use --engine jax")
+        elif self.live is not None:
+            raise MeshHealError(
+                "live server settings were given but the backend is emulated: add --backend live"
+            )
         for dataset in self.datasets:
             load_profile(dataset, self.profiles_dir)
         for pair in self.pairs:
@@ -124,7 +215,9 @@ class Experiment:
 
     def network(self, dataset: str) -> Network:
         """The dataset's replicated profile over the experiment's graph (checked; cached)."""
-        return _network(self.n_agents, self.topology, self.graph_seed, self.edges_file, dataset, self.profiles_dir)
+        return _network(
+            self.n_agents, self.topology, self.graph_seed, self.edges_file, dataset, self.profiles_dir
+        )
 
     def phases(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         if self.name == "recovery":
@@ -143,7 +236,9 @@ class Experiment:
         return tuple(m for m in self.methods if m != "meshheal")
 
     def streams(self) -> list[Stream]:
-        return [(m, d, p, s) for m in self.methods for d in self.datasets for p in self.pairs for s in self.seeds]
+        return [
+            (m, d, p, s) for m in self.methods for d in self.datasets for p in self.pairs for s in self.seeds
+        ]
 
     def labels(self, method: str) -> dict:
         """The variant and detector a method's summary entries carry."""
@@ -153,7 +248,7 @@ class Experiment:
         return {"variant": "full", "detector": NO_DETECTOR}
 
     def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(self)  # (live settings become a nested dict)
         out["protocol"] = dataclasses.asdict(self.protocol)
         for key in ("profiles_dir", "params_dir", "edges_file"):
             out[key] = None if out[key] is None else str(out[key])
@@ -217,7 +312,7 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                     f"output folder {out} holds a run of an older layout (one method, parts without the method); "
                     "choose another --out"
                 )  # fmt: skip
-            if previous.get("experiment") != json.loads(json.dumps(exp.to_json())):
+            if comparable(previous.get("experiment")) != comparable(json.loads(json.dumps(exp.to_json()))):
                 raise MeshHealError(
                     f"output folder {out} holds a run of a different configuration; choose another --out"
                 )
@@ -231,6 +326,16 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     tmp.write_text(json.dumps(config, indent=2))
     tmp.replace(config_path)
     return out
+
+
+def comparable(experiment: dict | None) -> dict | None:
+    """A run configuration without what does not change results (the live servers' URLs)."""
+    if not experiment or not experiment.get("live"):
+        return experiment
+    live = {
+        k: v for k, v in experiment["live"].items() if k not in ("strong_urls", "weak_urls", "max_in_flight")
+    }
+    return {**experiment, "live": live}
 
 
 def _part_dir(run_dir: Path, method: str, dataset: str, pair: str, seed: int) -> Path:
@@ -253,7 +358,9 @@ def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> 
     return {name: metrics.frame(name, getattr(records, name)) for name in TABLES}
 
 
-def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None) -> list[dict[str, pl.DataFrame]]:
+def run_jax_streams(
+    exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None
+) -> list[dict[str, pl.DataFrame]]:
     """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program."""
     from meshheal_jax import engine  # imported here: the reference path needs no compilation
 
@@ -261,10 +368,35 @@ def run_jax_streams(exp: Experiment, streams: list[tuple[str, str, int]], on_pro
     for dataset, pair_name, seed in streams:
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
-    return engine.run_streams(specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress)
+    return engine.run_streams(
+        specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress
+    )
 
 
-def run_baseline_streams(exp: Experiment, method: str, streams: list[tuple[str, str, int]]) -> list[dict[str, pl.DataFrame]]:
+def run_live_streams(
+    exp: Experiment, streams: list[tuple[str, str, int]], run_dir: Path
+) -> list[dict[str, pl.DataFrame]]:
+    """The live backend: MeshHeal streams (dataset, pair, seed) of one pair, every round's calls of
+    every stream sent together. Each reply is cached in run_dir/responses.sqlite as it arrives, so
+    re-running the same command after a crash or a dead server resends nothing it already has."""
+    from meshheal_jax import engine
+    from meshheal_jax.backends import live_loop
+
+    specs = []
+    for dataset, pair_name, seed in streams:
+        network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
+        specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
+    questions = {d: exp.live.questions(d, exp.profiles_dir) for d in dict.fromkeys(d for d, _, _ in streams)}
+    (pair_name,) = {p for _, p, _ in streams}
+    return live_loop.run_live_streams(
+        specs, exp.protocol, exp.live.config(run_dir / "responses.sqlite"), questions, slots=exp.slots,
+        run_dir=run_dir / f"live-{pair_name}", options=exp.live.options(),
+    )  # fmt: skip
+
+
+def run_baseline_streams(
+    exp: Experiment, method: str, streams: list[tuple[str, str, int]]
+) -> list[dict[str, pl.DataFrame]]:
     """A baseline's streams (dataset, pair, seed) of one pair: one compiled program per shape (the
     packaged profiles share one), every dataset and seed vmapped."""
     from meshheal_jax.baselines import BaselineSpec
@@ -315,19 +447,38 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     with Progress(disable=not progress, transient=True) as bar:
-        job = bar.add_task(f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo))
+        job = bar.add_task(
+            f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo)
+        )
         mine = [s[1:] for s in todo if s[0] == "meshheal"]
-        if exp.engine == "reference":
+        if exp.backend == "live":
+            for pair in exp.pairs:
+                batch = [s for s in mine if s[1] == pair]
+                if batch:
+                    bar.update(
+                        job,
+                        description=f"{exp.name}: meshheal, live backend, pair={pair}, {len(batch)} streams",
+                    )
+                    for stream, frames in zip(batch, run_live_streams(exp, batch, run_dir)):
+                        _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
+                        bar.advance(job)
+        elif exp.engine == "reference":
             for dataset, pair, seed in mine:
                 bar.update(job, description=f"{exp.name}: meshheal {dataset} pair={pair} seed={seed}")
-                _write_part(_part_dir(run_dir, "meshheal", dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
+                _write_part(
+                    _part_dir(run_dir, "meshheal", dataset, pair, seed),
+                    run_one_stream(exp, dataset, pair, seed),
+                )
                 bar.advance(job)
         else:
             for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
                 batch = [s for s in mine if s[1] == pair]
                 if not batch:
                     continue
-                bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams")
+                bar.update(
+                    job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams"
+                )
+
                 def tick(done: int, total: int, batch=batch, pair=pair) -> None:
                     bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams, "
                                                 f"{done:,}/{total:,} tasks")  # fmt: skip
@@ -346,7 +497,8 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
                     bar.advance(job)
     frames = {
         name: pl.concat([pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet") for s in exp.streams()])
-        if name in exp.tables else pl.DataFrame(schema=metrics.SCHEMAS[name])
+        if name in exp.tables
+        else pl.DataFrame(schema=metrics.SCHEMAS[name])
         for name in TABLES
     }
     for name, df in frames.items():
@@ -359,7 +511,9 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
 def _without_isolation(m: dict) -> dict:
     """A method with no isolation (the baselines): no agent is ever isolated, so detection never
     happens, closure is not established and reintegration (return from isolation) is undefined."""
-    agents = [{**a, "detection_delay": None, "closure": False, "reintegration_delay": None} for a in m["agents"]]
+    agents = [
+        {**a, "detection_delay": None, "closure": False, "reintegration_delay": None} for a in m["agents"]
+    ]
     return {**m, "agents": agents}
 
 
@@ -379,6 +533,7 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
             for dataset in exp.datasets:
                 per_seed = []
                 for seed in exp.seeds:
+
                     def pick(name: str, key=(method, dataset, pair, seed)) -> pl.DataFrame:
                         return split[name].get(key, frames[name].clear())
 
@@ -386,7 +541,9 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
                                                per_agent=exp.n_agents <= 6)  # fmt: skip
                     per_seed.append(m if method == "meshheal" else _without_isolation(m))
                 per_dataset[dataset] = per_seed
-                results.append({**head, "dataset": dataset, "pair": pair, **metrics.aggregate(per_seed, exp.seeds)})
+                results.append(
+                    {**head, "dataset": dataset, "pair": pair, **metrics.aggregate(per_seed, exp.seeds)}
+                )
             if len(exp.datasets) > 1:
                 results.append({**head, "dataset": "mean", "pair": pair,
                                 **metrics.mean_over_datasets(per_dataset, exp.seeds)})  # fmt: skip

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from meshheal_jax import runner
-from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.errors import MeshHealError
 
 PAPER_EDGES = {96: 228, 288: 705, 576: 1454}  # undirected edges of the paper's sparse graphs
@@ -69,7 +69,7 @@ def experiment(cfg: ScaleConfig, topology: str) -> runner.Experiment:
         name="scale", datasets=(cfg.dataset,), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine=cfg.engine,
         slots=slots, n_agents=cfg.agents, n_tasks=504 * replicas, degraded=None, topology=topology,
         graph_seed=cfg.graph_seed, edges_file=cfg.edges, tables=tuple(cfg.tables), protocol=cfg.protocol,
-        profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip
 
 

@@ -617,6 +617,9 @@ def grid_maps(summary: dict, path: Path, dataset: str | None = None) -> Path:
 def experiment(cfg: SweepConfig) -> runner.Experiment:
     if cfg.engine != "jax":
         raise MeshHealError("a sweep runs as one compiled program: only --engine jax")
+    if cfg.backend != "emulated":
+        raise MeshHealError("a sweep runs on the emulator (one compiled program over the grid); "
+                            "run single configurations live with main / recovery / ablate / detectors / scale")  # fmt: skip
     return runner.Experiment(
         name="sweep", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine="jax",
         slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded), protocol=cfg.protocol,

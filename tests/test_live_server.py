@@ -249,3 +249,42 @@ def test_real_transformers_server_end_to_end(tiny_server, tmp_path):
     assert [(r.prompt_tokens, r.completion_tokens) for r in again] == [
         (r.prompt_tokens, r.completion_tokens) for r in fresh
     ]
+
+
+@pytest.mark.server
+def test_live_experiment_through_the_real_server(tiny_server, tmp_path):
+    """`python -m meshheal_jax.main --backend live` end to end through `transformers serve` (both
+    roles on the one tiny model): real HTTP, tokenization and usage; garbage replies recorded as
+    parse failures; then the same command again resends nothing and reproduces the run."""
+    base_url, model_dir = tiny_server
+    config = tmp_path / "live.toml"
+    config.write_text(
+        f'strong_url = ["{base_url}"]\nweak_url = ["{base_url}"]\nstrong_served_name = "{model_dir}"\n'
+        f'weak_served_name = "{model_dir}"\nstrong_model = "{TINY_MODEL_ID}"\nweak_model = "{TINY_MODEL_ID}"\n'
+        f'max_tokens = {TINY_MAX_TOKENS}\ndata = "sample"\nmax_in_flight = 8\n'
+    )
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "meshheal_jax.main", "--backend", "live", "--live-config", str(config),
+            "--methods", "meshheal", "--datasets", "bbh", "--seeds", "1", "--tasks", "42", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    assert first.returncode == 0, first.stderr[-3000:]
+    import polars as pl
+
+    tasks = pl.read_parquet(out / "tasks.parquet")
+    calls = pl.read_parquet(out / "calls.parquet")
+    trace = pl.read_parquet(out / "live-default" / "live_trace.parquet")
+    assert tasks.height == 42 and calls.height == tasks["calls"].sum()
+    assert (calls["completion_tokens"] <= TINY_MAX_TOKENS * 6).all()  # review: up to 3 retries x n fallback
+    assert calls["parse_status"].str.contains("failed").any()  # random text is not a review JSON
+    assert trace["prompt_tokens"].sum() == calls["prompt_tokens"].sum()  # usage split exactly over samples
+    assert not trace["from_cache"].any()
+
+    import shutil
+
+    shutil.rmtree(out / "parts")  # as if it had died before finishing the stream
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    replay = pl.read_parquet(out / "live-default" / "live_trace.parquet")
+    assert replay["from_cache"].all()  # nothing was sent again
+    assert pl.read_parquet(out / "tasks.parquet").equals(tasks)
