@@ -45,6 +45,10 @@ class CommonFlags:
     """live: base URL(s) of the strong model's server(s), e.g. http://127.0.0.1:8000/v1 (round-robin)"""
     weak_url: tuple[str, ...] = ()
     """live: base URL(s) of the weak model's server(s)"""
+    strong_model: str | None = None
+    """live: the strong server's real model id (default: read from its /v1/models)"""
+    weak_model: str | None = None
+    """live: the weak server's real model id (default: read from its /v1/models)"""
     live_config: Path | None = None
     """live: a TOML file with any of strong_url, weak_url (lists), strong_model, weak_model (real model ids),
     strong_served_name, weak_served_name, max_in_flight, max_tokens, data; flags given on the command line win"""
@@ -85,7 +89,8 @@ def live_settings(flags: CommonFlags):
                 f"--live-config {flags.live_config}: unknown keys {unknown}; known: {list(LIVE_KEYS)}"
             )
     for key, value in (("strong_url", flags.strong_url), ("weak_url", flags.weak_url), ("data", flags.data),
-                       ("max_tokens", flags.max_tokens)):  # fmt: skip
+                       ("max_tokens", flags.max_tokens), ("strong_model", flags.strong_model),
+                       ("weak_model", flags.weak_model)):  # fmt: skip
         if value:
             doc[key] = value
     if not doc:
@@ -93,7 +98,8 @@ def live_settings(flags: CommonFlags):
 
     def urls(key: str) -> tuple[str, ...]:
         value = doc.get(key, ())
-        return (value,) if isinstance(value, str) else tuple(value)
+        values = (value,) if isinstance(value, str) else tuple(value)
+        return tuple(url.strip() for v in values for url in v.split(",") if url.strip())  # a,b or a b
 
     return LiveSettings(
         strong_urls=urls("strong_url"), weak_urls=urls("weak_url"), strong_model=doc.get("strong_model"),

@@ -76,7 +76,7 @@ def test_rerun_resends_nothing_and_gives_the_same_results(live_main, tmp_path):
 
 def test_live_settings_from_a_config_file(tmp_path):
     path = tmp_path / "live.toml"
-    path.write_text('strong_url = ["http://a:1/v1", "http://b:1/v1"]\nweak_url = "http://c:1/v1"\n'
+    path.write_text('strong_url = ["http://a:1/v1,http://b:1/v1"]\nweak_url = "http://c:1/v1"\n'
                     'max_tokens = 64\ndata = "sample"\n')  # fmt: skip
     cfg = tyro.cli(
         main.MainConfig, args=["--backend", "live", "--live-config", str(path), "--max-tokens", "8"]
