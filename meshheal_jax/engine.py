@@ -1241,23 +1241,54 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
     )  # fmt: skip
 
 
+def stream_mesh(shard: bool | None = None) -> jax.sharding.Mesh | None:
+    """A 1-D device mesh over the stream axis when streams should be sharded: shard=None shards
+    whenever several devices are visible (GPUs, or CPU with
+    XLA_FLAGS=--xla_force_host_platform_device_count=N), False never, True always (one device: a
+    mesh of one)."""
+    devices = jax.devices()
+    if shard is False or (shard is None and len(devices) == 1):
+        return None
+    return jax.sharding.Mesh(np.array(devices), (STREAMS,))
+
+
+def shard_streams(tree, mesh: jax.sharding.Mesh | None):
+    """Place a pytree with a leading stream axis (a multiple of the mesh size) across the mesh:
+    each device holds its block of streams. The compiled program is the same vmapped one; XLA
+    partitions it along the stream axis (the one cross-stream value, `across_streams`' psum for
+    the distance-refresh predicate, becomes a cross-device reduction), so results do not change."""
+    if mesh is None:
+        return tree
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(STREAMS))
+    return jax.device_put(tree, sharding)
+
+
 def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int = 512,
-                tables: tuple[str, ...] = TABLES, on_chunk=None, on_progress=None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+                tables: tuple[str, ...] = TABLES, on_chunk=None, on_progress=None,
+                shard: bool | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """Run streams of one shape as one vmapped program, `chunk` rounds per compiled call.
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
     `on_chunk(k, frames_per_stream)`, when given, receives each chunk's records as they are made
-    (for appending to a run folder); the returned frames are then empty."""
+    (for appending to a run folder); the returned frames are then empty. With several devices
+    (`stream_mesh(shard)`), the streams are sharded over them; when their number is not a multiple
+    of the devices, the last stream is repeated to fill the mesh and its copies are dropped."""
     cfg = engine_config(specs, protocol, slots)
+    n_real = len(specs)
+    mesh = stream_mesh(shard)
+    if mesh is not None:
+        specs = list(specs) + [specs[-1]] * (-len(specs) % mesh.size)
     first = specs[0]
     batched = any(s.network.profile.dataset != first.network.profile.dataset for s in specs)  # p_part differs
     if batched:
-        params = stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs])
+        params = shard_streams(stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]),
+                               mesh)  # fmt: skip
     else:
         params = make_params(protocol, first.pair, first.network.profile, cfg.n_agents)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)
-    worlds = stack([make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
-    carry = initial_carries(cfg, worlds)
+    worlds = shard_streams(stack([make_world(s.network, s.stream, s.schedule, k_max) for s in specs]), mesh)
+    carry = shard_streams(initial_carries(cfg, worlds), mesh)
+    specs = specs[:n_real]
     kept: list[list[dict]] = [[] for _ in specs]
     k = 0
     while not done(cfg, carry).all():
@@ -1265,7 +1296,8 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
         records = jax.tree_util.tree_map(np.asarray, records)
         frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
         if on_progress is not None:
-            on_progress(int(np.minimum(np.asarray(carry.next_t) - 1, cfg.n_tasks).sum()), cfg.n_tasks * len(specs))
+            next_t = np.asarray(carry.next_t)[:n_real]
+            on_progress(int(np.minimum(next_t - 1, cfg.n_tasks).sum()), cfg.n_tasks * n_real)
         if on_chunk is not None:
             on_chunk(k, frames)
         else:

@@ -320,10 +320,15 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
 
     cfg = sweep_config(batch, slots)
     params = stream_params(batch) if params is None else params
-    k_max = max(s.network.neighbour_table.shape[1] for s in batch.specs)
-    worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max) for s in batch.specs])
-    stacked = engine.stack(params)
-    carry = engine.initial_carries(cfg, worlds)
+    specs = list(batch.specs)
+    mesh = engine.stream_mesh()  # several devices: streams sharded over them (padded, as engine.run_streams)
+    pad = 0 if mesh is None else -len(specs) % mesh.size
+    specs, params = specs + [specs[-1]] * pad, list(params) + [params[-1]] * pad
+    k_max = max(s.network.neighbour_table.shape[1] for s in specs)
+    worlds = engine.shard_streams(engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max)
+                                                for s in specs]), mesh)  # fmt: skip
+    stacked = engine.shard_streams(engine.stack(params), mesh)
+    carry = engine.shard_streams(engine.initial_carries(cfg, worlds), mesh)
     kept: list[list[dict]] = [[] for _ in batch.specs]
     clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
     while not engine.done(cfg, carry).all():
@@ -339,7 +344,7 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
         clock["records"] += time.perf_counter() - start
         if on_progress is not None:
             on_progress(
-                int(np.minimum(np.asarray(carry.next_t) - 1, cfg.n_tasks).sum()),
+                int(np.minimum(np.asarray(carry.next_t)[: len(batch.specs)] - 1, cfg.n_tasks).sum()),
                 cfg.n_tasks * len(batch.specs),
             )
     if timings is not None:
