@@ -533,7 +533,19 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
 
 
 def write_report(run_dir: Path | str) -> Path:
-    """Redraw the run's figures and write report.md in the run folder; returns its path."""
+    """Redraw the run's figures and write report.md in the run folder; returns its path. A sweep's
+    run folder gets the sweep's report (`sweep.write_report`: the table per grid point and the
+    trade-off figures)."""
+    config_path = Path(run_dir) / "config.json"
+    if config_path.is_file():
+        try:
+            name = json.loads(config_path.read_text()).get("experiment", {}).get("name")
+        except json.JSONDecodeError:
+            name = None  # load_run names the problem
+        if name == "sweep":
+            from meshheal_jax import sweep
+
+            return sweep.write_report(run_dir)
     run = load_run(run_dir)
     figures = make_plots(run)
     path = run.path / REPORT_NAME

@@ -114,6 +114,12 @@ def test_run_folder_and_summary(swept, capsys):
     sweep.print_summary(summary)
     out = capsys.readouterr().out
     assert "Sweep: bbh, 4 grid points" in out and "detection delay" in out
+    # `python -m meshheal_jax.report RUN_DIR` regenerates a sweep's own report
+    (run_dir / "report.md").unlink()
+    from meshheal_jax import report
+
+    assert report.write_report(run_dir) == run_dir / "report.md"
+    assert "| 3 | 1.4 | 2.0 |" in (run_dir / "report.md").read_text()
 
 
 def test_parse_grid_forms():
