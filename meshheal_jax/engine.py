@@ -430,9 +430,32 @@ def next_state(p: Params, state, consecutive, z):
     return new.astype(jnp.int32), consecutive.astype(jnp.int32), reason.astype(jnp.int32)
 
 
+@pytree
+class Rows:
+    """What one observation writes: author i's windows at (task_type, s) and its detector state.
+    The detector is split into a pure read (`observe_rows`) and a write (`write_rows`) so that
+    observations that touch disjoint rows can be computed together (`observe_round`)."""
+
+    scores: jax.Array  # (W,) i's score window of (task_type, s)
+    score_count: jax.Array  # ()
+    shortfalls: jax.Array  # (Ws,)
+    shortfall_count: jax.Array  # ()
+    cusum: jax.Array  # () CUSUM statistic (0 and not written unless the detector is cusum)
+    state: jax.Array  # ()
+    consecutive: jax.Array  # ()
+    probe_timer: jax.Array  # ()
+
+
 def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
             detector: str = "relative") -> tuple[Net, Observation]:  # fmt: skip
     """Record author i's final score q with the (static) detector; see observe_relative."""
+    rows, obs = observe_rows(p, world, net, i, task_type, s, q, t, evidence, detector)
+    return write_rows(net, i, task_type, s, rows), obs
+
+
+def observe_rows(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
+                 detector: str = "relative") -> tuple[Rows, Observation]:  # fmt: skip
+    """The rows one observation writes and what it records, read from `net` (nothing written)."""
     if detector == "absolute":
         return observe_absolute(p, net, i, task_type, s, q, t, evidence)
     if detector == "cusum":
@@ -440,40 +463,71 @@ def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
     return observe_relative(p, world, net, i, task_type, s, q, t, evidence)
 
 
+def write_rows(net: Net, i, task_type, s, rows: Rows) -> Net:
+    """Write observations' rows at valid indices, unconditionally (a masked or dropping scatter
+    is a select over the whole array in XLA): one observation (scalar i, task_type, s) or a
+    batch ((S,) indices; cells written twice must get equal values)."""
+    cell = (i, task_type, s)
+    mode = "promise_in_bounds"
+    cusum = net.cusum.at[cell].set(rows.cusum, mode=mode) if net.cusum.ndim == 3 else net.cusum
+    return Net(state=net.state.at[i].set(rows.state, mode=mode),
+               consecutive=net.consecutive.at[i].set(rows.consecutive, mode=mode),
+               probe_timer=net.probe_timer.at[i].set(rows.probe_timer, mode=mode), distance=net.distance,
+               scores=net.scores.at[cell].set(rows.scores, mode=mode),
+               score_count=net.score_count.at[cell].set(rows.score_count, mode=mode),
+               shortfalls=net.shortfalls.at[cell].set(rows.shortfalls, mode=mode),
+               shortfall_count=net.shortfall_count.at[cell].set(rows.shortfall_count, mode=mode), cusum=cusum)  # fmt: skip
+
+
+def current_rows(net: Net, i, task_type, s) -> Rows:
+    """Author i's rows as they stand (writing them back changes nothing)."""
+    cell = (i, task_type, s)
+    return Rows(scores=net.scores[cell], score_count=net.score_count[cell], shortfalls=net.shortfalls[cell],
+                shortfall_count=net.shortfall_count[cell],
+                cusum=net.cusum[cell] if net.cusum.ndim == 3 else jnp.float64(0.0), state=net.state[i],
+                consecutive=net.consecutive[i], probe_timer=net.probe_timer[i])  # fmt: skip
+
+
 def _own_score(net: Net, i, task_type, s, q, evidence):
-    """Push q into i's score window of (task_type, s) when `evidence`: (net, window mean, count)."""
+    """q pushed into i's score window of (task_type, s) when `evidence`: (row, count, window mean)."""
     w = net.scores.shape[-1]
     count = net.score_count[i, task_type, s]
     row = net.scores[i, task_type, s]
     row = jnp.where(evidence, row.at[count % w].set(q), row)
     count = count + evidence
-    inside = "promise_in_bounds"
-    net = dataclasses.replace(net, scores=net.scores.at[i, task_type, s].set(row, mode=inside),
-                              score_count=net.score_count.at[i, task_type, s].set(count, mode=inside))  # fmt: skip
-    return net, window_mean(row, count), count
+    return row, count, window_mean(row, count)
 
 
-def _decide(net: Net, i, t, defined, z, new, consecutive, reason) -> tuple[Net, Observation]:
-    """Apply a formed decision (`defined`): state, counter, probe timer on entering isolation."""
+def _decide(net: Net, i, t, defined, z, new, consecutive, reason) -> tuple[tuple, Observation]:
+    """A formed decision (`defined`) -> (state, counter, probe timer on entering isolation), record."""
     before = net.state[i]
     new = jnp.where(defined, new, before)
     reason = jnp.where(defined, reason, 0)
     consecutive = jnp.where(defined, consecutive, net.consecutive[i])
     entered = (new == ISOLATED) & (before != ISOLATED)
-    net = dataclasses.replace(
-        net, state=net.state.at[i].set(new), consecutive=net.consecutive.at[i].set(consecutive),
-        probe_timer=net.probe_timer.at[i].set(jnp.where(entered, t, net.probe_timer[i])))  # fmt: skip
-    return net, Observation(z=jnp.where(defined, z, 0.0), z_defined=defined, before=before, after=new, reason=reason)
+    timer = jnp.where(entered, t, net.probe_timer[i])
+    return (new, consecutive, timer), Observation(z=jnp.where(defined, z, 0.0), z_defined=defined, before=before,
+                                                  after=new, reason=reason)  # fmt: skip
 
 
-def observe_absolute(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
+def _rows(net: Net, i, task_type, s, score_row, count, decision, cusum=None) -> Rows:
+    """Rows of a detector that keeps no shortfall window (absolute, cusum): i's shortfalls unchanged."""
+    state, consecutive, timer = decision
+    return Rows(scores=score_row, score_count=count, shortfalls=net.shortfalls[i, task_type, s],
+                shortfall_count=net.shortfall_count[i, task_type, s],
+                cusum=jnp.float64(0.0) if cusum is None else cusum, state=state, consecutive=consecutive,
+                probe_timer=timer)  # fmt: skip
+
+
+def observe_absolute(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Rows, Observation]:
     """Absolute detector: z_abs = (threshold - own mean score of (type, s)) / scale, formed after
     warm-up from the min_obs-th score on, into the alpha/beta state machine of §5 step 9."""
-    net, mean, count = _own_score(net, i, task_type, s, q, evidence)
+    row, count, mean = _own_score(net, i, task_type, s, q, evidence)
     defined = evidence & (t > p.warmup) & (count >= p.min_obs)
     z = (p.abs_threshold - mean) / p.abs_scale
     new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
-    return _decide(net, i, t, defined, z, new, consecutive, reason)
+    decision, obs = _decide(net, i, t, defined, z, new, consecutive, reason)
+    return _rows(net, i, task_type, s, row, count, decision), obs
 
 
 def next_state_cusum(p: Params, state, stat):
@@ -490,23 +544,24 @@ def next_state_cusum(p: Params, state, stat):
     return new.astype(jnp.int32), reason.astype(jnp.int32)
 
 
-def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
+def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Rows, Observation]:
     """CUSUM detector (Page 1954): S <- max(0, S + (target - q) - k) per (agent, type, ability) on
     every final score; transitions after warm-up from the min_obs-th score on."""
     stat = net.cusum[i, task_type, s]
     stat = jnp.where(evidence, jnp.maximum(0.0, stat + (p.cusum_target - q) - p.cusum_k), stat)
-    net = dataclasses.replace(net, cusum=net.cusum.at[i, task_type, s].set(stat, mode="promise_in_bounds"))
-    net, _, count = _own_score(net, i, task_type, s, q, evidence)
+    row, count, _ = _own_score(net, i, task_type, s, q, evidence)
     defined = evidence & (t > p.warmup) & (count >= p.min_obs)
     new, reason = next_state_cusum(p, net.state[i], stat)
-    return _decide(net, i, t, defined, stat, new, net.consecutive[i], reason)
+    decision, obs = _decide(net, i, t, defined, stat, new, net.consecutive[i], reason)
+    return _rows(net, i, task_type, s, row, count, decision, cusum=stat), obs
 
 
-def observe_relative(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence) -> tuple[Net, Observation]:
-    """The peer-relative detector (§5): record author i's final score q for (task_type, s) at task t when `evidence` (else the
-    network is returned unchanged). Reads i's row and its neighbours' rows first, then writes
-    i's rows back unconditionally: a conditional (masked or dropping) scatter becomes a select
-    over the whole array in XLA, O(N) per call."""
+def observe_relative(
+    p: Params, world: World, net: Net, i, task_type, s, q, t, evidence
+) -> tuple[Rows, Observation]:
+    """The peer-relative detector (§5): author i's final score q for (task_type, s) at task t when
+    `evidence` (else i's rows come back unchanged). Reads i's rows and its neighbours' rows; returns
+    the rows to write (`write_rows`) and the record."""
     _, valid, nbc = neighbours_of(world, i)
     normal = valid & (net.state[nbc] == NORMAL)
     w, ws = net.scores.shape[-1], net.shortfalls.shape[-1]
@@ -528,13 +583,7 @@ def observe_relative(p: Params, world: World, net: Net, i, task_type, s, q, t, e
     shortfall_row = jnp.where(record, shortfall_row.at[n_x % ws].set(x), shortfall_row)
     n_x = n_x + record
     own = window_mean(shortfall_row, n_x)
-    # writes: i's rows, unconditionally (unchanged values when there is nothing to record)
     score_row = jnp.where(evidence, score_row.at[count % w].set(q), score_row)
-    inside = "promise_in_bounds"  # i, task_type, s are valid: no bounds select over the whole array
-    scores = net.scores.at[i, task_type, s].set(score_row, mode=inside)
-    score_count = net.score_count.at[i, task_type, s].set(count + evidence, mode=inside)
-    shortfalls = net.shortfalls.at[i, task_type, s].set(shortfall_row, mode=inside)
-    shortfall_count = net.shortfall_count.at[i, task_type, s].set(n_x, mode=inside)
     pool_mask = normal[:, None] & (pool_counts >= p.min_obs)
     flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
     n_pool = pool_mask.sum()
@@ -542,19 +591,105 @@ def observe_relative(p: Params, world: World, net: Net, i, task_type, s, q, t, e
     m = quantile_sorted(ordered, n_pool, 0.5)
     p25 = quantile_sorted(ordered, n_pool, 0.25)
     defined = record & (t > p.warmup) & (n_x >= p.min_obs) & (n_pool > 0)
-    z = jnp.where(defined, (own - jnp.where(defined, m, 0.0)) / jnp.maximum(jnp.where(defined, m - p25, 1.0), p.z_floor), 0.0)
-    before = net.state[i]
-    new, consecutive, reason = next_state(p, before, net.consecutive[i], z)
-    new = jnp.where(defined, new, before)
-    reason = jnp.where(defined, reason, 0)
-    consecutive = jnp.where(defined, consecutive, net.consecutive[i])
-    entered = (new == ISOLATED) & (before != ISOLATED)
-    state = net.state.at[i].set(new)
-    net = Net(state=state, consecutive=net.consecutive.at[i].set(consecutive),
-              probe_timer=net.probe_timer.at[i].set(jnp.where(entered, t, net.probe_timer[i])),
-              distance=net.distance, scores=scores, score_count=score_count, shortfalls=shortfalls,
-              shortfall_count=shortfall_count, cusum=net.cusum)  # fmt: skip
-    return net, Observation(z=z, z_defined=defined, before=before, after=new, reason=reason)
+    z = jnp.where(
+        defined,
+        (own - jnp.where(defined, m, 0.0)) / jnp.maximum(jnp.where(defined, m - p25, 1.0), p.z_floor),
+        0.0,
+    )
+    new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
+    (new, consecutive, timer), obs = _decide(net, i, t, defined, z, new, consecutive, reason)
+    rows = Rows(scores=score_row, score_count=count + evidence, shortfalls=shortfall_row, shortfall_count=n_x,
+                cusum=jnp.float64(0.0), state=new, consecutive=consecutive, probe_timer=timer)  # fmt: skip
+    return rows, obs
+
+
+def conflicts(world: World, authors, evidence, detector: str = "relative"):
+    """(S, S) bool: observations j and k of one round must keep their task order: one writes rows
+    the other reads or writes. An observation with evidence writes its author's rows (and state);
+    the relative detector reads the author's and its neighbours' rows, the others only the author's;
+    one without evidence writes nothing and reads only its author's state."""
+    same = authors[:, None] == authors[None, :]
+    both = evidence[:, None] & evidence[None, :]
+    either = evidence[:, None] | evidence[None, :]
+    if detector != "relative":
+        return same & either
+    adjacent = jnp.any(world.nbr[authors][:, None, :] == authors[None, :, None], axis=-1)  # k in nbr(j)
+    adjacent = adjacent | adjacent.T
+    return (same & either) | (adjacent & both)
+
+
+def waves(order, conflict):
+    """(S,) wave of each observation: 1 + the latest wave of an earlier (in `order`) observation it
+    conflicts with, else 0. Observations of one wave touch disjoint rows, so applying the waves in
+    turn, each wave at once, gives exactly the result of the observations one by one in order."""
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    earlier = conflict & (position[:, None] < position[None, :])  # [j, k]: j before k and conflicting
+
+    def step(n, wave):
+        k = order[n]
+        return wave.at[k].set(jnp.max(jnp.where(earlier[:, k], wave + 1, 0)))
+
+    return jax.lax.fori_loop(0, order.shape[0], step, jnp.zeros_like(order))
+
+
+def latest_across_streams(x):
+    """max of x over the stream batch: an unbatched loop bound (a batched while_loop predicate
+    would select every carried array, the whole network, on every iteration)."""
+    try:
+        return jax.lax.pmax(x, STREAMS)
+    except NameError:  # not under the stream vmap
+        return x
+
+
+def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
+                  detector: str = "relative") -> tuple[Net, Observation]:  # fmt: skip
+    """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
+    of taking them one by one in `order` (task order). The first wave (`waves`: observations that
+    conflict with no earlier one, most of a round's) is read together and written in one scatter;
+    the rest then go one by one in task order. Exact: a later-wave observation never conflicts
+    with a first-wave one that follows it in task order (it would not be first-wave otherwise).
+    Cells of first-wave slots that write nothing are pointed at the first writer's cell (equal
+    values written twice), or, with no writer, at an unchanged cell: every scatter index is valid."""
+    n, n_slots = net.state.shape[0], order.shape[0]
+    active = evidence.valid
+    wave = waves(order, conflicts(world, evidence.author, active, detector))
+    # the first wave, at once
+    rows, obs = jax.vmap(lambda e: observe_rows(p, world, net, e.author, e.task_type, e.ability, e.q, e.t, e.valid,
+                                                detector))(evidence)  # fmt: skip
+    first = wave == 0
+    write = first & active
+    lead = jnp.argmax(write)  # the first writer (slot 0 when none)
+    cell = (jnp.clip(evidence.author[lead], 0, n - 1), evidence.task_type[lead], evidence.ability[lead])
+    lead_rows = jax.tree_util.tree_map(
+        lambda r, c: jnp.where(write[lead], r[lead], c), rows, current_rows(net, *cell)
+    )
+    rows = jax.tree_util.tree_map(
+        lambda r, c: jnp.where(write.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
+    index = tuple(
+        jnp.where(write, x, c) for x, c in zip((evidence.author, evidence.task_type, evidence.ability), cell)
+    )
+    net = write_rows(net, *index, rows)
+    observations = jax.tree_util.tree_map(lambda new, old: jnp.where(first, new, old), obs, observations)
+    # the later waves, one by one in task order
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=order.dtype))
+    rest = jnp.argsort(
+        jnp.where(first, n_slots + position, position)
+    )  # later-wave slots first, in task order
+    n_rest = n_slots - first.sum()
+
+    def observe_one(m, state):
+        net, observations = state
+        k = rest[m]
+        ev = at(evidence, k)
+        todo = m < n_rest
+        net, obs = observe(
+            p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid & todo, detector
+        )
+        return net, jax.tree_util.tree_map(
+            lambda o, new: o.at[k].set(jnp.where(todo, new, o[k])), observations, obs
+        )
+
+    return jax.lax.fori_loop(0, latest_across_streams(n_rest), observe_one, (net, observations))
 
 
 def refresh_distances(world: World, net: Net, moved) -> Net:
@@ -1133,17 +1268,9 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
     # decisions of every slot on the network as it stands (vectorised over slots)
     decided, evidence, reviews = jax.vmap(absorb_decide, in_axes=(None, None, None, None, 0, 0, 0))(
         cfg, p, world, net, slots, responses, draws)  # fmt: skip
-    # the detector takes the round's evidence in task order
+    # the detector takes the round's evidence in task order (computed in waves of independent observations)
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
-
-    def observe_one(n, state):
-        net, observations = state
-        k = order[n]
-        ev = at(evidence, k)
-        net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector)
-        return net, put(observations, k, obs)
-
-    net, observations = jax.lax.fori_loop(0, cfg.slots, observe_one, (net, reviews.obs))
+    net, observations = observe_round(p, world, net, evidence, order, reviews.obs, cfg.detector)
     net = refresh_distances(world, net, jnp.any(isolation_changed(observations)))
     reviews = dataclasses.replace(reviews, obs=observations)
     # then every slot routes on the updated network (vectorised); probes stamp their timers

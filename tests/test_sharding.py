@@ -1,5 +1,5 @@
 """Streams sharded over several devices (a 1-D mesh over the stream axis) give the same records
-as the unsharded run. JAX fixes its device count when it starts, so the check runs in a fresh
+as the unsharded run (float columns up to rounding in the last bits, e.g. s_u's square root). JAX fixes its device count when it starts, so the check runs in a fresh
 process with XLA_FLAGS=--xla_force_host_platform_device_count=4 (four CPU "devices")."""
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ SCRIPT = textwrap.dedent(
         assert len(sharded) == len(batch)
         for a, b in zip(plain, sharded, strict=True):
             for name in engine.TABLES:
-                assert a[name].equals(b[name]), name
+                x, y = a[name], b[name]
+                floats = [c for c, dtype in x.schema.items() if dtype == pl.Float64]
+                for c in floats:  # equal up to float rounding: XLA compiles the per-device program apart
+                    gap = (x[c] - y[c]).abs().max()
+                    assert gap is None or gap <= 1e-12, (name, c, gap)
+                assert x.drop(floats).equals(y.drop(floats)), name  # every decision, state and count
         isolations = sum(int((f["states"]["to"] == "isolated").sum()) for f in plain)
         print("streams", len(batch), "tasks", sum(f["tasks"].height for f in plain), "isolations", isolations)
     print("SHARDED_EQUAL")
