@@ -603,33 +603,25 @@ def observe_relative(
     return rows, obs
 
 
-def conflicts(world: World, authors, evidence, detector: str = "relative"):
-    """(S, S) bool: observations j and k of one round must keep their task order: one writes rows
-    the other reads or writes. An observation with evidence writes its author's rows (and state);
-    the relative detector reads the author's and its neighbours' rows, the others only the author's;
-    one without evidence writes nothing and reads only its author's state."""
-    same = authors[:, None] == authors[None, :]
-    both = evidence[:, None] & evidence[None, :]
-    either = evidence[:, None] | evidence[None, :]
+def first_wave(world: World, order, authors, evidence, detector: str = "relative"):
+    """(S,) bool: the observations of a round that conflict with no earlier one in `order` (task
+    order). Two observations conflict when one writes rows the other reads or writes: one with
+    evidence writes its author's windows and state; the relative detector reads its author's and
+    the author's neighbours' rows; one without evidence reads only its author's state. O(S·K + N):
+    per agent the earliest position of an observation on it (with evidence / any), then per slot a
+    look at its author and, for the relative detector, its author's neighbours."""
+    n_agents, n_slots = world.nbr.shape[0], order.shape[0]
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=order.dtype))
+    a = jnp.clip(authors, 0, n_agents - 1)
+    never = jnp.full(n_agents, n_slots, order.dtype)
+    first_writer = never.at[a].min(jnp.where(evidence, position, n_slots))  # earliest write on each agent
+    first_any = never.at[a].min(position)  # earliest observation of each agent
+    earlier_same = (first_writer[a] < position) | (evidence & (first_any[a] < position))
     if detector != "relative":
-        return same & either
-    adjacent = jnp.any(world.nbr[authors][:, None, :] == authors[None, :, None], axis=-1)  # k in nbr(j)
-    adjacent = adjacent | adjacent.T
-    return (same & either) | (adjacent & both)
-
-
-def waves(order, conflict):
-    """(S,) wave of each observation: 1 + the latest wave of an earlier (in `order`) observation it
-    conflicts with, else 0. Observations of one wave touch disjoint rows, so applying the waves in
-    turn, each wave at once, gives exactly the result of the observations one by one in order."""
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    earlier = conflict & (position[:, None] < position[None, :])  # [j, k]: j before k and conflicting
-
-    def step(n, wave):
-        k = order[n]
-        return wave.at[k].set(jnp.max(jnp.where(earlier[:, k], wave + 1, 0)))
-
-    return jax.lax.fori_loop(0, order.shape[0], step, jnp.zeros_like(order))
+        return ~earlier_same
+    nb = world.nbr[a]  # (S, K), -1 padding
+    earlier_neighbour = jnp.any((nb >= 0) & (first_writer[jnp.maximum(nb, 0)] < position[:, None]), axis=-1)
+    return ~(earlier_same | (evidence & earlier_neighbour))
 
 
 def latest_across_streams(x):
@@ -644,19 +636,18 @@ def latest_across_streams(x):
 def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
                   detector: str = "relative") -> tuple[Net, Observation]:  # fmt: skip
     """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
-    of taking them one by one in `order` (task order). The first wave (`waves`: observations that
-    conflict with no earlier one, most of a round's) is read together and written in one scatter;
+    of taking them one by one in `order` (task order). The first wave (`first_wave`: observations
+    that conflict with no earlier one, most of a round's) is read together and written in one scatter;
     the rest then go one by one in task order. Exact: a later-wave observation never conflicts
     with a first-wave one that follows it in task order (it would not be first-wave otherwise).
     Cells of first-wave slots that write nothing are pointed at the first writer's cell (equal
     values written twice), or, with no writer, at an unchanged cell: every scatter index is valid."""
     n, n_slots = net.state.shape[0], order.shape[0]
     active = evidence.valid
-    wave = waves(order, conflicts(world, evidence.author, active, detector))
+    first = first_wave(world, order, evidence.author, active, detector)
     # the first wave, at once
     rows, obs = jax.vmap(lambda e: observe_rows(p, world, net, e.author, e.task_type, e.ability, e.q, e.t, e.valid,
                                                 detector))(evidence)  # fmt: skip
-    first = wave == 0
     write = first & active
     lead = jnp.argmax(write)  # the first writer (slot 0 when none)
     cell = (jnp.clip(evidence.author[lead], 0, n - 1), evidence.task_type[lead], evidence.ability[lead])
@@ -1390,10 +1381,17 @@ def shard_streams(tree, mesh: jax.sharding.Mesh | None):
     return jax.device_put(tree, sharding)
 
 
-def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int = 512,
+def default_chunk(slots: int, n_streams: int) -> int:
+    """Rounds per compiled call: 512, fewer for wide batches so one call's records (~1 KB per slot
+    and round, gathered to the host after the call) stay near 256 MB."""
+    return int(min(512, max(8, 2**18 // max(slots * n_streams, 1))))
+
+
+def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int | None = None,
                 tables: tuple[str, ...] = TABLES, on_chunk=None, on_progress=None,
                 shard: bool | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
-    """Run streams of one shape as one vmapped program, `chunk` rounds per compiled call.
+    """Run streams of one shape as one vmapped program, `chunk` rounds per compiled call (default:
+    `default_chunk`).
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
     `on_chunk(k, frames_per_stream)`, when given, receives each chunk's records as they are made
@@ -1402,6 +1400,7 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     of the devices, the last stream is repeated to fill the mesh and its copies are dropped."""
     cfg = engine_config(specs, protocol, slots)
     n_real = len(specs)
+    chunk = default_chunk(slots, n_real) if chunk is None else chunk
     mesh = stream_mesh(shard)
     if mesh is not None:
         specs = list(specs) + [specs[-1]] * (-len(specs) % mesh.size)
