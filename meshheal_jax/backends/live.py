@@ -62,6 +62,7 @@ SEED_SPACING = 4  # request seeds are multiples of this, > any n: sample seeds n
 RETRY_SEED_OFFSET = 1_000_003  # a parse-failure retry of sample i uses seed + i + this
 DEFAULT_REASONING_EFFORT = "medium"  # gpt-oss only
 POOL_HEADROOM = 32  # HTTP connections per server beyond its semaphore
+LANE_CONNECTIONS = 32  # connections per HTTP pool: a server gets ceil(in flight / 32) clients in turn
 API_KEY_ENV_VARS = ("MESHHEAL_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")
 
 # CallResponse.parse_status values, per sample
@@ -288,10 +289,24 @@ def _http_client(openai_module, connections: int, retry: RetryPolicy):
 
 @dataclasses.dataclass
 class _Server:
+    """One base URL: its semaphore and several `openai.AsyncOpenAI` lanes (each with its own HTTP
+    pool of at most ~LANE_CONNECTIONS), taken in turn. The HTTP library walks every pooled
+    connection on each request and release, so one pool of 256+ connections costs ~2x the CPU
+    per call of eight pools of 32 (benchmarks/README.md, "Live throughput", section b)."""
+
     stats: ServerStats
-    client: Any  # openai.AsyncOpenAI
-    http: Any  # its HTTP client
+    lanes: list[tuple[Any, Any]]  # (openai.AsyncOpenAI, its HTTP client)
     semaphore: asyncio.Semaphore
+    turn: int = 0
+
+    @property
+    def http(self) -> Any:
+        return self.lanes[0][1]
+
+    def next_client(self) -> Any:
+        client = self.lanes[self.turn % len(self.lanes)][0]
+        self.turn += 1
+        return client
 
 
 def _retry_after_s(response: Any) -> float | None:
@@ -360,13 +375,14 @@ class LiveClient:
                 servers = []
                 roots = set()
                 for url in group.base_urls:
-                    http = _http_client(self._openai, group.max_in_flight + POOL_HEADROOM, self.retry)
-                    client = self._openai.AsyncOpenAI(
-                        base_url=url, api_key=self._api_key, http_client=http, max_retries=0
-                    )
-                    server = _Server(
-                        ServerStats(url, role), client, http, asyncio.Semaphore(group.max_in_flight)
-                    )
+                    n_lanes = -(-group.max_in_flight // LANE_CONNECTIONS)
+                    per_lane = -(-(group.max_in_flight + POOL_HEADROOM) // n_lanes)
+                    lanes = []
+                    for _ in range(n_lanes):
+                        http = _http_client(self._openai, per_lane, self.retry)
+                        lanes.append((self._openai.AsyncOpenAI(base_url=url, api_key=self._api_key,
+                                                               http_client=http, max_retries=0), http))  # fmt: skip
+                    server = _Server(ServerStats(url, role), lanes, asyncio.Semaphore(group.max_in_flight))
                     servers.append(server)
                     self._servers[role] = servers
                     roots.add(await self._check_server(server, group))
@@ -441,7 +457,8 @@ class LiveClient:
     async def aclose(self) -> None:
         for servers in self._servers.values():
             for server in servers:
-                await server.client.close()
+                for client, _ in server.lanes:
+                    await client.close()
         self._servers = {}
 
     async def __aenter__(self) -> Self:
@@ -621,7 +638,7 @@ class LiveClient:
                 self.stats.http_requests += 1
                 started = time.monotonic()
                 try:
-                    completion = await server.client.chat.completions.create(
+                    completion = await server.next_client().chat.completions.create(
                         model=group.served_name, messages=list(request.messages), **wire
                     )
                 except openai.RateLimitError as err:
