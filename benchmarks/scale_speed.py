@@ -70,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="6, 96, 576 sparse; streams 1 and 4; one repeat")
     ap.add_argument("--sizes", type=int, nargs="*", help="agents (sparse graphs) instead of the default list")
+    ap.add_argument("--no-sizes", action="store_true", help="only the streams table")
     ap.add_argument("--streams-at", type=int, nargs="*", default=[6, 576], help="sizes for the streams table")
     ap.add_argument("--widths", type=int, nargs="*", default=[1, 4, 16], help="numbers of streams")
     ap.add_argument("--prefix-per-six", type=int, default=40, help="tasks per six agents in the prefix")
@@ -79,7 +80,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.point:
         n, graph, streams = args.point
-        print(json.dumps(one_point(int(n), graph == "sparse", int(streams), args.prefix_per_six, args.repeats)))
+        print(
+            json.dumps(one_point(int(n), graph == "sparse", int(streams), args.prefix_per_six, args.repeats))
+        )
         return
     sizes = [(n, True) for n in args.sizes] if args.sizes else SIZES
     widths, repeats = args.widths, args.repeats
@@ -87,9 +90,12 @@ def main() -> None:
         sizes, widths, repeats = [(6, False), (96, True), (576, True)], [1, 4], 1
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; "
           f"prefix {args.prefix_per_six} x N/6 tasks (6 agents: 504), slots N/6, median of {repeats}")  # fmt: skip
-    rows = table("against agents (1 stream)", [(n, sparse, 1) for n, sparse in sizes], args.prefix_per_six, repeats)
+    rows = [] if args.no_sizes else table("against agents (1 stream)", [(n, sparse, 1) for n, sparse in sizes],
+                                          args.prefix_per_six, repeats)  # fmt: skip
     at = [n for n in args.streams_at if not args.quick or n <= 576]
-    rows += table("against streams", [(n, n > 6, w) for n in at for w in widths], args.prefix_per_six, repeats)
+    rows += table(
+        "against streams", [(n, n > 6, w) for n in at for w in widths], args.prefix_per_six, repeats
+    )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

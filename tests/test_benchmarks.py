@@ -1,0 +1,32 @@
+"""benchmarks/gpu_run.sh runs on CPU with small sizes (--cpu-small) and writes its tables: the
+same script a GPU node runs (behaviour only; no timing is checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_run_script_on_cpu(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), str(tmp_path), "--cpu-small"],
+                          capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (tmp_path / "gpu_table.md").read_text()
+    assert "### against agents (1 stream)" in table and "### against streams" in table
+    rows = json.loads((tmp_path / "gpu_rows_0.json").read_text())
+    assert [(r["agents"], r["streams"]) for r in rows] == [(6, 1), (6, 2)]
+    assert all(r["tasks"] > 0 and r["rate"] > 0 and r["peak_rss_mib"] > 0 for r in rows)
+    assert "jax" in (tmp_path / "env.txt").read_text()
+
+
+def test_gpu_run_refuses_without_a_gpu(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 1 and "JAX sees no GPU" in done.stderr
