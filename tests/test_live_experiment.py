@@ -15,11 +15,11 @@ import tyro
 pytest.importorskip("openai")
 pytest.importorskip("pydantic")
 
-from test_live_loop import stand_ins  # noqa: E402  (the scripted stand-in servers)
+from test_live_loop import stand_ins  # the scripted stand-in servers
 
-from meshheal_jax import main, recovery, runner  # noqa: E402
-from meshheal_jax.cli import live_settings  # noqa: E402
-from meshheal_jax.errors import MeshHealError  # noqa: E402
+from meshheal_jax import main, recovery, runner
+from meshheal_jax.cli import live_settings
+from meshheal_jax.errors import MeshHealError
 
 pytestmark = pytest.mark.filterwarnings("ignore::meshheal_jax.data.QuestionPoolWarning")
 
@@ -108,7 +108,7 @@ def test_live_settings_from_a_config_file(tmp_path):
                 "raps",
             ],
             "MeshHeal only",
-        ),  # fmt: skip
+        ),
         (["--strong-url", "http://a/v1", "--weak-url", "http://b/v1"], "add --backend live"),
         (
             [
@@ -124,7 +124,7 @@ def test_live_settings_from_a_config_file(tmp_path):
                 "/no/such/folder",
             ],
             "does not exist",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_bad_live_settings_are_named(argv, message):
