@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Self
 
 from meshheal_jax import prompts
+from meshheal_jax.backends import tiny_server as tiny
 from meshheal_jax.backends.cache import ResponseCache
 from meshheal_jax.backends.live import (
     CallRequest,
@@ -94,7 +95,6 @@ CONTRIBUTE_MARK = "`HANDOFF: <what the next agent must still do>`"  # only in Co
 PARTIAL_MARK = "corrected partial result"  # only in Contribute-stage candidate / synthesis prompts
 BENCH_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.05, backoff_cap_s=0.2, request_timeout_s=120.0)
 POOL_SHARDS = 8  # section b: the same stand-in behind 8 client pools (the httpx2 pool scan is O(pool size))
-TINY_MODEL_ID = "local/tiny-random-llama"
 TINY_MAX_TOKENS = 4  # CPU decoding through transformers serve: tens of ms a token
 
 
@@ -700,7 +700,7 @@ def section_d(stand_in: FixedLatencyStandIn | None, latency: float, count: int, 
         rows += asyncio.run(_n_vs_three(stand_in.url, {}, count, "review", 512, 256, stand_in, latency))
     note = None
     if tiny is not None and tiny.get("url"):
-        group_kw = {"model_id": TINY_MODEL_ID, "served_name": tiny["served_name"]}
+        group_kw = {"model_id": tiny.TINY_MODEL_ID, "served_name": tiny["served_name"]}
         rows += asyncio.run(_n_vs_three(tiny["url"], group_kw, tiny_count, "generate", TINY_MAX_TOKENS, 16,
                                         None, 0.0))  # fmt: skip
     elif tiny is not None:
@@ -718,113 +718,32 @@ def section_d(stand_in: FixedLatencyStandIn | None, latency: float, count: int, 
 # Section e: the tiny transformers-serve server
 
 
-def build_tiny_llama(out_dir: Path) -> None:
-    """A 2-layer, 64-wide random Llama with a BPE tokenizer trained here: no download (the model of
-    tests/test_live_server.py)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    corpus = [
-        prompts.SYSTEM_PROMPT,
-        "RESULT: (A) COMPETENCE_MATCH:yes",
-        json.dumps({"half_correct": 0.5}),
-    ] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    fast.save_pretrained(out_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out_dir)
-
-
 @contextlib.contextmanager
 def tiny_server(continuous_batching: bool = True):
-    """Yields {"url", "served_name", "mode"} of a running `transformers serve` on the tiny model, or
-    {"skipped": why} when it cannot run here."""
-    import importlib.util
-
-    missing = [m for m in ("torch", "transformers", "tokenizers", "fastapi", "uvicorn")
-               if importlib.util.find_spec(m) is None]  # fmt: skip
-    exe = Path(sys.executable).with_name("transformers")
-    exe = str(exe) if exe.exists() else shutil.which("transformers")
-    if missing or exe is None:
-        why = f"missing {', '.join(missing)}" if missing else "no `transformers` command"
-        yield {"skipped": f"tiny transformers-serve server skipped: {why} (pip install -e .[test])"}
-        return
+    """Yields {"url", "served_name", "mode"} of a running `transformers serve` on the tiny model
+    (meshheal_jax.backends.tiny_server), or {"skipped": why} when it cannot run here."""
     flag = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
+    reason = tiny.unavailable()
+    if reason is not None:
+        yield {"skipped": f"tiny transformers-serve server skipped: {reason}"}
+        return
     with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tmp:
         model_dir = Path(tmp) / "model"
-        build_tiny_llama(model_dir)
-        log_path = Path(tmp) / "serve.log"
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        with open(log_path, "w") as log:
-            import socket
-
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            proc = subprocess.Popen(
-                [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", flag],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 180
-            ready = None
-            while ready is None:
-                if proc.poll() is not None:
-                    ready = f"exited ({proc.returncode}): {log_path.read_text()[-800:]}"
-                    break
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                        if reply.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    ready = "not healthy after 180 s"
-                time.sleep(0.5)
-            if ready is not None:
-                yield {"skipped": f"tiny transformers-serve server ({flag}) skipped: {ready}"}
-            else:
-                yield {"url": f"http://127.0.0.1:{port}/v1", "served_name": str(model_dir), "mode": flag}
-        finally:
-            proc.terminate()
+        tiny.build_tiny_llama(model_dir)
+        with contextlib.ExitStack() as stack:
             try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=20)
+                url = stack.enter_context(tiny.serve_tiny(model_dir, [flag]))
+            except RuntimeError as err:
+                yield {"skipped": f"tiny transformers-serve server ({flag}) skipped: {str(err)[:800]}"}
+                return
+            yield {"url": url, "served_name": str(model_dir), "mode": flag}
 
 
 def section_e(servers: Sequence[dict], semaphores: Sequence[int], count: int) -> dict:
     rows, skipped = [], []
 
     async def measure(server: dict, c: int) -> dict:
-        group = ServerGroup("strong", (server["url"],), model_id=TINY_MODEL_ID, served_name=server["served_name"],
+        group = ServerGroup("strong", (server["url"],), model_id=tiny.TINY_MODEL_ID, served_name=server["served_name"],
                             max_in_flight=c)  # fmt: skip
         async with LiveClient([group], retry=BENCH_RETRY) as client:
             await client.run_batch(bench_requests(min(c, count), kinds=("generate",), seed_base=80_000 + c,

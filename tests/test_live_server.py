@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +21,7 @@ pytest.importorskip("openai")
 pytest.importorskip("pydantic")
 
 from meshheal_jax import prompts
+from meshheal_jax.backends import tiny_server as tiny
 from meshheal_jax.backends.cache import ResponseCache
 from meshheal_jax.backends.live import (
     PARSE_FAILED,
@@ -41,12 +36,6 @@ from meshheal_jax.backends.live import (
 FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.05, backoff_cap_s=0.2, request_timeout_s=60.0)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=120))
 
@@ -54,95 +43,21 @@ def run(coro):
 # ----------------------------------------------------------------------------------------------
 # A real OpenAI-compatible server: `transformers serve` on a tiny random-weight Llama (CPU, offline)
 
-TINY_MODEL_ID = "local/tiny-random-llama"  # the "real model id" the cache key uses
 TINY_MAX_TOKENS = 4  # CPU decoding through transformers serve costs ~40 ms a token
-
-
-def build_tiny_llama(out_dir) -> None:
-    """A 2-layer, 64-wide random Llama with a BPE tokenizer trained here: no download."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    corpus = [
-        prompts.SYSTEM_PROMPT,
-        "RESULT: (A) COMPETENCE_MATCH:yes",
-        json.dumps({"half_correct": 0.5}),
-    ] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    fast.save_pretrained(out_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out_dir)
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    for module in ("torch", "transformers", "tokenizers", "fastapi", "uvicorn"):
-        pytest.importorskip(module, reason="the real-server test needs transformers[serving] and torch")
-    exe = Path(sys.executable).with_name("transformers")
-    exe = str(exe) if exe.exists() else shutil.which("transformers")
-    if exe is None:
-        pytest.skip("`transformers serve` is unavailable: no transformers command on PATH")
-    probe = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=120, check=False)
-    if probe.returncode != 0 or "--device" not in probe.stdout:
-        pytest.skip("`transformers serve` is unavailable in this transformers version")
+    reason = tiny.unavailable()
+    if reason is not None:
+        pytest.skip(f"the real-server test needs transformers[serving] and torch: {reason}")
     model_dir = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny_llama(model_dir)
-    port = free_port()
-    log = model_dir.parent / "transformers-serve.log"
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+    tiny.build_tiny_llama(model_dir)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"transformers serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"transformers serve not healthy after 120 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1", model_dir
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+        with tiny.serve_tiny(model_dir, timeout_s=120) as base_url:
+            yield base_url, model_dir
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 def tiny_round(model_dir: Path) -> list[CallRequest]:
@@ -199,7 +114,7 @@ def test_real_transformers_server_end_to_end(tiny_server, tmp_path):
     base_url, model_dir = tiny_server
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     group = ServerGroup(
-        "weak", (base_url,), model_id=TINY_MODEL_ID, served_name=str(model_dir), max_in_flight=4
+        "weak", (base_url,), model_id=tiny.TINY_MODEL_ID, served_name=str(model_dir), max_in_flight=4
     )
     requests = tiny_round(model_dir)
     half = [r for r in requests if r.t == 0]
@@ -237,7 +152,7 @@ def test_real_transformers_server_end_to_end(tiny_server, tmp_path):
             assert response.http_calls == 1 and response.prompt_tokens == prompt
             assert response.parsed[0].text == response.texts[0] and response.parsed[0].answer is None
         assert 0 < response.completion_tokens <= TINY_MAX_TOKENS * response.http_calls
-        assert response.model_id == TINY_MODEL_ID and not response.from_cache
+        assert response.model_id == tiny.TINY_MODEL_ID and not response.from_cache
     assert (stats1.n_fallback_calls, stats2.n_fallback_calls) == (2, 4)  # logical counts include cache hits
     assert stats2.parse_failures >= 2 * (3 + 1 + 1)
 
@@ -260,7 +175,7 @@ def test_live_experiment_through_the_real_server(tiny_server, tmp_path):
     config = tmp_path / "live.toml"
     config.write_text(
         f'strong_url = ["{base_url}"]\nweak_url = ["{base_url}"]\nstrong_served_name = "{model_dir}"\n'
-        f'weak_served_name = "{model_dir}"\nstrong_model = "{TINY_MODEL_ID}"\nweak_model = "{TINY_MODEL_ID}"\n'
+        f'weak_served_name = "{model_dir}"\nstrong_model = "{tiny.TINY_MODEL_ID}"\nweak_model = "{tiny.TINY_MODEL_ID}"\n'
         f'max_tokens = {TINY_MAX_TOKENS}\ndata = "sample"\nmax_in_flight = 8\n'
     )
     out = tmp_path / "run"
