@@ -11,12 +11,11 @@ if "xla_cpu_copy_insertion_use_region_analysis" not in os.environ.get("XLA_FLAGS
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 # Compiled programs are kept on disk (JAX's persistent compilation cache), so a command run again
-# with the same shapes skips XLA compilation (15-30 s of a 576-agent run on a laptop CPU).
-# MESHHEAL_JAX_CACHE=DIR chooses the folder, MESHHEAL_JAX_CACHE=off turns it off; a cache dir the
+# with the same shapes skips XLA compilation (15-30 s of a 576-agent run on a laptop CPU). Set through
+# JAX's own environment variables (read when JAX starts), so importing the package imports no JAX;
+# MESHHEAL_JAX_CACHE=DIR chooses the folder, MESHHEAL_JAX_CACHE=off turns it off, and a cache dir the
 # user configured for JAX (JAX_COMPILATION_CACHE_DIR) wins.
 _CACHE = os.environ.get("MESHHEAL_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "meshheal_jax", "xla"))
-if _CACHE.lower() not in ("", "0", "off", "none") and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
+if _CACHE.lower() not in ("", "0", "off", "none"):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")

@@ -320,10 +320,8 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
 
     cfg = sweep_config(batch, slots)
     params = stream_params(batch) if params is None else params
-    specs = list(batch.specs)
     mesh = engine.stream_mesh()  # several devices: streams sharded over them (padded, as engine.run_streams)
-    pad = 0 if mesh is None else -len(specs) % mesh.size
-    specs, params = specs + [specs[-1]] * pad, list(params) + [params[-1]] * pad
+    specs, params = engine.pad_streams(list(batch.specs), mesh), engine.pad_streams(list(params), mesh)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)
     worlds = engine.shard_streams(engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max)
                                                 for s in specs]), mesh)  # fmt: skip
