@@ -34,13 +34,12 @@ from typing import Literal
 
 import numpy as np
 
+from meshheal_jax import runner
 from meshheal_jax.calibration_report import evaluate, print_report, seed_context
 from meshheal_jax.cli import entrypoint
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import ANCHORS, MODEL_DIR, PAIRS, Pair, dump_model, parse_model
-from meshheal_jax.streams import make_stream, persistent_schedule
-from meshheal_jax.topology import build_network, load_profile
 
 DATASETS = ("bbh", "math", "mmlu_pro")
 # Which files each pair's fit changes (the other file of pairs A and B is the fitted default one).
@@ -158,38 +157,28 @@ def pair_of(docs: dict[str, dict], pair: str = "default") -> Pair:
 
 
 class Evaluator:
-    """Runs candidate pairs through the persistent-degradation experiment (6 agents, 504 tasks,
-    agents 2 and 4 degraded from task 253) on the JAX engine at slots 1."""
+    """Runs candidate pairs through the persistent-degradation experiment (`main`: 6 agents, 504
+    tasks, agents 2 and 4 degraded from the midpoint) on the JAX engine at slots 1."""
 
     def __init__(self, seeds: tuple[int, ...], datasets: tuple[str, ...] = DATASETS, pair: str = "default"):
-        from meshheal_jax import engine
-
-        self.seeds, self.datasets, self.pair = seeds, datasets, pair
-        self.phase_names = ("healthy", "degraded")
-        self.streams = []
-        for dataset in datasets:
-            profile = load_profile(dataset)
-            network = build_network(profile)
-            schedule = persistent_schedule(network.n_agents, 504, network.degraded_targets)
-            for seed in seeds:
-                stream = make_stream(
-                    seed, profile.dataset_id, 504, len(profile.task_types), (1, 253), self.phase_names
-                )
-                self.streams.append((dataset, seed, network, stream, schedule))
-        self.schedule = self.streams[0][4]
-        self.engine = engine
+        self.exp = runner.Experiment(name="main", datasets=datasets, pairs=(pair,), seeds=seeds)
+        self.seeds, self.pair = seeds, pair
+        self.schedule = self.exp.schedule()
+        self.phase_names = self.exp.phases()[1]
+        self.streams = [
+            (d, s, *runner._stream_inputs(self.exp, d, pair, s)[0:2]) for d in datasets for s in seeds
+        ]
 
     def rows(self, pairs: list[Pair]) -> list[list[dict]]:
         """calibration_report rows (the targets of this evaluator's pair) of each candidate pair."""
-        from meshheal_jax import sweep
+        from meshheal_jax import engine, sweep
 
-        engine = self.engine
         protocol = ProtocolParams()
         specs, params = [], []
         for pair in pairs:
-            for dataset, seed, network, stream, schedule in self.streams:
+            for dataset, seed, network, stream in self.streams:
                 labels = {"method": "meshheal", "dataset": dataset, "pair": self.pair, "seed": seed}
-                specs.append(engine.StreamSpec(network, stream, schedule, pair, labels))
+                specs.append(engine.StreamSpec(network, stream, self.schedule, pair, labels))
                 params.append(engine.make_params(protocol, pair, network.profile, network.n_agents))
         point = sweep.GridPoint(0, {}, protocol, pairs[0])
         batch = sweep.Batch([point], specs, [0] * len(specs))
@@ -207,14 +196,13 @@ class Evaluator:
         return out
 
 
-def loss(rows: list[dict]) -> float:
-    """Pairs A and B have one (secondary) target each: their fits weigh it as a primary."""
-    single = len(rows) == 1
+def loss(rows: list[dict], all_primary: bool = False) -> float:
+    """`all_primary`: weigh every row as a primary target (pairs A and B, whose one target is secondary)."""
     total = 0.0
     for r in rows:
         mean = r["measured"]["mean"]
         z = 10.0 if mean is None else (mean - r["paper"]) / r["tolerance"]
-        if r["priority"] == "primary" or single:
+        if r["priority"] == "primary" or all_primary:
             total += z * z + 10.0 * max(abs(z) - 0.6, 0.0) ** 2
         else:
             total += 0.25 * z * z
@@ -261,7 +249,7 @@ def utilities(n: int) -> np.ndarray:
     return raw / raw.sum() - 1.0 / n
 
 
-def fit(cfg: FitConfig) -> tuple[dict[str, dict], list[dict], float]:
+def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dict], float]:
     if cfg.population % 2:
         raise ValueError("population must be even (mirrored sampling)")
     base, knobs = base_docs(cfg.pair), knobs_for(cfg.pair)
@@ -269,11 +257,10 @@ def fit(cfg: FitConfig) -> tuple[dict[str, dict], list[dict], float]:
     origin = encode(base, knobs)
     eta_mu, eta_sigma = 1.0, (3 + math.log(dim)) / (5 * math.sqrt(dim))
     shaped = utilities(cfg.population)
-    evaluator = Evaluator(cfg.fit_seeds, pair=cfg.pair)
 
     def score(x: np.ndarray, rows: list[dict]) -> float:
         prior = 0.0 if cfg.pair == "default" else cfg.prior * float(np.sum((x - origin) ** 2))
-        return loss(rows) + prior
+        return loss(rows, all_primary=cfg.pair != "default") + prior
 
     state_file = cfg.out / "state.json"
     config = {"population": cfg.population, "fit_seeds": list(cfg.fit_seeds), "sigma": cfg.sigma,
@@ -351,9 +338,10 @@ def scale_tokens(docs: dict[str, dict], rows: list[dict], evaluator: Evaluator, 
 
 
 def body(cfg: FitConfig) -> None:
-    docs, rows, value = fit(cfg)
+    evaluator = Evaluator(cfg.fit_seeds, pair=cfg.pair)
+    docs, rows, value = fit(cfg, evaluator)
     if cfg.tokens and cfg.pair == "default":
-        docs, rows = scale_tokens(docs, rows, Evaluator(cfg.fit_seeds, pair=cfg.pair), cfg.pair)
+        docs, rows = scale_tokens(docs, rows, evaluator, cfg.pair)
     print_report(
         rows, f"Best candidate (loss {value:.2f}) on fit seeds {list(cfg.fit_seeds)} (jax engine, slots 1)"
     )

@@ -95,7 +95,8 @@ def test_evaluator_equals_the_reference_engine():
     pairs = [fit.pair_of(fit.decode(fit.encode(base) + d, base)) for d in (0.0, 0.4)]
     rows = ev.rows(pairs)
     for pair, got in zip(pairs, rows):
-        dataset, seed, network, stream, schedule = ev.streams[0]
+        dataset, seed, network, stream = ev.streams[0]
+        schedule = ev.schedule
         records = reference.run_stream(network, fit.ProtocolParams(), pair, stream, schedule,
                                        {"method": "meshheal", "dataset": dataset, "pair": "default", "seed": seed})
         frames = {n: metrics.frame(n, getattr(records, n)) for n in ("tasks", "reviews", "states")}

@@ -90,39 +90,18 @@ def test_live_settings_from_a_config_file(tmp_path):
         live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path)]))
 
 
+LIVE_AB = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "http://b/v1"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--backend", "live"], "needs --strong-url and --weak-url"),
         (["--backend", "live", "--strong-url", "http://a/v1"], "weak model's server"),
-        (
-            [
-                "--backend",
-                "live",
-                "--strong-url",
-                "http://a/v1",
-                "--weak-url",
-                "http://b/v1",
-                "--methods",
-                "meshheal",
-                "raps",
-            ],
-            "MeshHeal only",
-        ),
+        ([*LIVE_AB, "--methods", "meshheal", "raps"], "MeshHeal only"),
         (["--strong-url", "http://a/v1", "--weak-url", "http://b/v1"], "add --backend live"),
         (
-            [
-                "--backend",
-                "live",
-                "--strong-url",
-                "http://a/v1",
-                "--weak-url",
-                "http://b/v1",
-                "--methods",
-                "meshheal",
-                "--data",
-                "/no/such/folder",
-            ],
+            [*LIVE_AB, "--methods", "meshheal", "--data", "/no/such/folder"],
             "does not exist",
         ),
     ],
