@@ -23,7 +23,8 @@ SLOTS = 16
 
 @functools.lru_cache(maxsize=None)
 def mid_run(detector: str):
-    """(params, world, net) after 600 rounds of a 96-agent sparse stream (detector windows filled)."""
+    """(params, world, net) after 2,000 rounds of a 96-agent sparse stream: past the midpoint, so degraded
+    agents are flagged under every detector (before it, the absolute one may flag nobody)."""
     exp = runner.Experiment(name="scale", datasets=("bbh",), pairs=("default",), seeds=(0,), n_agents=96,
                             n_tasks=504 * 16, degraded=None, topology="sparse", slots=SLOTS)  # fmt: skip
     network, stream, pair, labels = runner._stream_inputs(exp, "bbh", "default", 0)
@@ -33,7 +34,7 @@ def mid_run(detector: str):
     params = engine.make_params(protocol, pair, network.profile, cfg.n_agents)
     worlds = engine.stack([engine.make_world(network, stream, exp.schedule())])
     carry = engine.initial_carries(cfg, worlds)
-    carry, _ = engine.run_rounds(cfg, params, worlds, carry, 600, False)
+    carry, _ = engine.run_rounds(cfg, params, worlds, carry, 2000, False)
     net = engine.at(carry.net, 0)
     assert int((net.state != engine.NORMAL).sum()) > 0  # the detector is live
     return params, engine.at(worlds, 0), net
