@@ -617,23 +617,22 @@ def observe_relative(
 
 def first_wave(world: World, order, authors, evidence, detector: str = "relative"):
     """(S,) bool: the observations of a round that conflict with no earlier one in `order` (task
-    order). Two observations conflict when one writes rows the other reads or writes: one with
-    evidence writes its author's windows and state; the relative detector reads its author's and
-    the author's neighbours' rows; one without evidence reads only its author's state. O(S·K + N):
-    per agent the earliest position of an observation on it (with evidence / any), then per slot a
-    look at its author and, for the relative detector, its author's neighbours."""
+    order). An observation with evidence writes its author's windows and state and reads them (and,
+    for the relative detector, its author's neighbours' rows): it conflicts with an earlier one
+    with evidence on its author (or, relative, on a neighbour). One without evidence writes nothing
+    and its record is never kept (a review record exists only with evidence), so it is always in the
+    first wave. O(S·K + N): per agent the earliest position of an observation with evidence on it,
+    then per slot a look at its author and, for the relative detector, its author's neighbours."""
     n_agents, n_slots = world.nbr.shape[0], order.shape[0]
     position = jnp.zeros_like(order).at[order].set(jnp.arange(n_slots, dtype=order.dtype))
     a = jnp.clip(authors, 0, n_agents - 1)
     never = jnp.full(n_agents, n_slots, order.dtype)
     first_writer = never.at[a].min(jnp.where(evidence, position, n_slots))  # earliest write on each agent
-    first_any = never.at[a].min(position)  # earliest observation of each agent
-    earlier_same = (first_writer[a] < position) | (evidence & (first_any[a] < position))
-    if detector != "relative":
-        return ~earlier_same
-    nb = world.nbr[a]  # (S, K), -1 padding
-    earlier_neighbour = jnp.any((nb >= 0) & (first_writer[jnp.maximum(nb, 0)] < position[:, None]), axis=-1)
-    return ~(earlier_same | (evidence & earlier_neighbour))
+    earlier = first_writer[a] < position
+    if detector == "relative":
+        nb = world.nbr[a]  # (S, K), -1 padding
+        earlier |= jnp.any((nb >= 0) & (first_writer[jnp.maximum(nb, 0)] < position[:, None]), axis=-1)
+    return ~(evidence & earlier)
 
 
 def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
@@ -641,8 +640,10 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
     of taking them one by one in `order` (task order). The first wave (`first_wave`: observations
     that conflict with no earlier one, most of a round's) is read together and written in one scatter;
-    the rest then go one by one in task order. Exact: a later-wave observation never conflicts
-    with a first-wave one that follows it in task order (it would not be first-wave otherwise).
+    the rest then go one by one in task order. Exact for every observation with evidence (the only
+    ones recorded): a later-wave observation never conflicts with a first-wave one with evidence
+    that follows it in task order (it would not be first-wave otherwise). An observation without
+    evidence reads its author's state as the round began.
     Cells of first-wave slots that write nothing are pointed at the first writer's cell (equal
     values written twice), or, with no writer, at an unchanged cell: every scatter index is valid."""
     n, n_slots = net.state.shape[0], order.shape[0]
@@ -1292,8 +1293,13 @@ def _empty_review() -> ReviewRecord:
 
 TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace per shape
 
+# XLA's CPU backend at optimisation level 1 instead of 2: the 576-agent program compiles in 10 s
+# instead of 14 s and runs as fast (benchmarks/README.md "Cold start"). Floating-point semantics
+# are unchanged (no fast math at any level), so results are identical.
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
 def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
     """n_rounds rounds of every stream (leading stream axis on world and carry; on p too when
     params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
@@ -1308,7 +1314,7 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, compiler_options=COMPILER_OPTIONS)
 def initial_carries(cfg: EngineConfig, worlds: World) -> Carry:
     return jax.vmap(lambda w: initial_carry(cfg, w))(worlds)
 
@@ -1421,20 +1427,28 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     carry = shard_streams(initial_carries(cfg, worlds), mesh)
     specs = specs[:n_real]
     kept: list[list[dict]] = [[] for _ in specs]
-    k = 0
-    while not done(cfg, carry).all():
-        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
+
+    def gather(k, records, next_t):
         records = jax.tree_util.tree_map(np.asarray, records)
         frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
         if on_progress is not None:
-            next_t = np.asarray(carry.next_t)[:n_real]
-            on_progress(int(np.minimum(next_t - 1, cfg.n_tasks).sum()), cfg.n_tasks * n_real)
+            on_progress(int(np.minimum(np.asarray(next_t)[:n_real] - 1, cfg.n_tasks).sum()), cfg.n_tasks * n_real)
         if on_chunk is not None:
             on_chunk(k, frames)
         else:
             for s in range(len(specs)):
                 kept[s].append(frames[s])
-        k += 1
+
+    # One chunk ahead: chunk k+1 is dispatched (JAX runs it asynchronously) before chunk k's
+    # records are turned into tables on the host, so the two overlap.
+    pending, k = None, 0
+    while not done(cfg, carry).all():
+        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
+        if pending is not None:
+            gather(*pending)
+        pending, k = (k, records, carry.next_t), k + 1
+    if pending is not None:
+        gather(*pending)
     return [{name: pl.concat([f[name] for f in parts]) if parts else _empty(name) for name in tables}
             for parts in kept]  # fmt: skip
 

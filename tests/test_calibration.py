@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import polars as pl
 import pytest
 
 from meshheal_jax import calibration_fit as fit
@@ -26,11 +27,12 @@ def report(tmp_path_factory):
          "--out", str(out / "run"), "--json-out", str(out / "report.json")],
         check=False, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    return proc, json.loads((out / "report.json").read_text())
+    data = json.loads((out / "report.json").read_text())
+    return proc, data["targets"], data["degraded_gap"]
 
 
 def test_report_prints_every_target(report):
-    proc, rows = report
+    proc, rows, _ = report
     assert "mean q0, healthy-author outputs" in proc.stdout
     assert {r["priority"] for r in rows} == {"primary", "secondary"}
     assert sum(r["priority"] == "primary" for r in rows) == 15
@@ -39,15 +41,45 @@ def test_report_prints_every_target(report):
 
 
 def test_exit_status_follows_primary_targets(report):
-    proc, rows = report
+    proc, rows, _ = report
     failed = {r["target"] for r in rows if r["priority"] == "primary" and not r["pass"]}
     assert proc.returncode == (1 if failed else 0)
 
 
 def test_primary_failures_are_exactly_the_documented_conflicts(report):
-    _, rows = report
+    _, rows, _ = report
     failed = {r["target"] for r in rows if r["priority"] == "primary" and not r["pass"]}
     assert failed == KNOWN_PRIMARY_FAILURES
+
+
+def test_degraded_gap_parts_sum_to_the_phase_difference(report):
+    proc, rows, gap = report
+    assert "Where the degraded phase's accuracy goes" in proc.stdout
+    *parts, total = gap
+    assert sum(p["tasks"] for p in parts) == total["tasks"] == 5 * 3 * 252
+    assert sum(p["contribution"] for p in parts) == pytest.approx(total["contribution"], abs=1e-12)
+    acc = {r["target"]: r["measured"]["mean"] for r in rows}
+    d_minus_h = acc["accuracy, degraded phase, mean of 3 datasets"] - acc["accuracy, healthy phase, mean of 3 datasets"]
+    assert total["contribution"] == pytest.approx(d_minus_h, abs=1e-12)  # equal phases: pooled = mean of streams
+
+
+def test_degraded_gap_on_a_hand_built_stream():
+    from meshheal_jax.calibration_report import degraded_gap
+    from meshheal_jax.streams import persistent_schedule
+
+    schedule = persistent_schedule(6, 8, (2, 4))  # degraded from task 5 (the midpoint)
+    labels = {"dataset": "bbh", "pair": "default", "seed": 0}
+    tasks = pl.DataFrame({**{k: [v] * 8 for k, v in labels.items()}, "t": list(range(1, 9)),
+                          "phase": [0, 0, 0, 0, 1, 1, 1, 1], "route": ["0", "1", "0-1", "3", "2-0", "1", "4", "0"],
+                          "correct": [True, True, True, False, False, True, False, True]})  # fmt: skip
+    states = pl.DataFrame({**{k: [v] * 2 for k, v in labels.items()}, "t": [5, 6], "agent": [2, 4],
+                           "to": ["isolated", "isolated"]})  # fmt: skip
+    *parts, total = degraded_gap(tasks, states, schedule)
+    # H = 3/4; t_all = 6 (the later of the two isolations): t5 before, visits A3 (wrong); t6 before,
+    # clean (right); t7 after, visits A5 (wrong); t8 after, clean (right)
+    assert [(p["tasks"], p["accuracy"]) for p in parts] == [(0, None), (1, 0.0), (1, 1.0), (1, 0.0), (1, 1.0)]
+    assert [p["contribution"] for p in parts] == [0.0, 0.25 * -0.75, 0.25 * 0.25, 0.25 * -0.75, 0.25 * 0.25]
+    assert total["contribution"] == pytest.approx(0.5 - 0.75)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
