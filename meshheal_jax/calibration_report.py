@@ -131,13 +131,16 @@ def degraded_gap(tasks: pl.DataFrame, states: pl.DataFrame, schedule) -> list[di
     """Where the degraded phase's accuracy goes, relative to the healthy phase of the same streams.
 
     Degraded-phase tasks (phase 1 of the persistent schedule) fall in the parts of GAP_PARTS, by
-    whether every degraded agent had been isolated at least once before the task (per stream), and
+    whether every degraded agent had been isolated at least once since it degraded, before the task
+    (per stream), and
     whether the task's route visits a degraded agent. A part's contribution is its share of the
     phase's tasks × (its accuracy − the healthy-phase accuracy); the contributions sum to
     acc D − acc H (pooled over streams; every stream has the same number of tasks per phase)."""
-    degraded = sorted({a for a, _, _ in schedule.intervals})
+    start = {a: s for a, s, _ in schedule.intervals}
+    degraded = sorted(start)
     streams = ["dataset", "pair", "seed"]
-    isolated = (states.filter((pl.col("to") == "isolated") & pl.col("agent").is_in(degraded))
+    since = pl.col("agent").replace_strict(start, default=None, return_dtype=pl.Int64)
+    isolated = (states.filter((pl.col("to") == "isolated") & pl.col("agent").is_in(degraded) & (pl.col("t") >= since))
                 .group_by(*streams, "agent").agg(pl.col("t").min())
                 .group_by(*streams).agg(pl.col("t").max().alias("t_all"), pl.len().alias("n_isolated")))  # fmt: skip
     visits = pl.col("route").str.split("-").list.eval(pl.element().cast(pl.Int64).is_in(degraded)).list.any()

@@ -72,8 +72,8 @@ def test_degraded_gap_on_a_hand_built_stream():
     tasks = pl.DataFrame({**{k: [v] * 8 for k, v in labels.items()}, "t": list(range(1, 9)),
                           "phase": [0, 0, 0, 0, 1, 1, 1, 1], "route": ["0", "1", "0-1", "3", "2-0", "1", "4", "0"],
                           "correct": [True, True, True, False, False, True, False, True]})  # fmt: skip
-    states = pl.DataFrame({**{k: [v] * 2 for k, v in labels.items()}, "t": [5, 6], "agent": [2, 4],
-                           "to": ["isolated", "isolated"]})  # fmt: skip
+    states = pl.DataFrame({**{k: [v] * 3 for k, v in labels.items()}, "t": [3, 5, 6], "agent": [4, 2, 4],
+                           "to": ["isolated", "isolated", "isolated"]})  # fmt: skip (A5 at t3: before it degraded)
     *parts, total = degraded_gap(tasks, states, schedule)
     # H = 3/4; t_all = 6 (the later of the two isolations): t5 before, visits A3 (wrong); t6 before,
     # clean (right); t7 after, visits A5 (wrong); t8 after, clean (right)
