@@ -391,6 +391,11 @@ def quantile_sorted(sorted_values, n, q):
     return lo + (hi - lo) * (pos - jnp.floor(pos))
 
 
+def median_of_3(x):
+    """sort(x)[1] for a (3,) x, without a sort (exact)."""
+    return jnp.maximum(jnp.minimum(x[0], x[1]), jnp.minimum(jnp.maximum(x[0], x[1]), x[2]))
+
+
 ROUTE = 9  # internal phase: at an agent, deciding what to do (no model call yet)
 
 
@@ -635,36 +640,48 @@ def first_wave(world: World, order, authors, evidence, detector: str = "relative
     return ~(evidence & earlier)
 
 
+def first_wave_width(n_slots: int) -> int:
+    """Rows the first wave computes at once: every slot in small rounds, a third of them in large
+    ones (the rest, rare, go one by one)."""
+    return n_slots if n_slots <= 16 else max(16, n_slots // 3)
+
+
 def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
-                  detector: str = "relative") -> tuple[Net, Observation]:  # fmt: skip
+                  detector: str = "relative", width: int | None = None) -> tuple[Net, Observation]:  # fmt: skip
     """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
     of taking them one by one in `order` (task order). The first wave (`first_wave`: observations
-    that conflict with no earlier one, most of a round's) is read together and written in one scatter;
-    the rest then go one by one in task order. Exact for every observation with evidence (the only
-    ones recorded): a later-wave observation never conflicts with a first-wave one with evidence
-    that follows it in task order (it would not be first-wave otherwise). An observation without
-    evidence reads its author's state as the round began.
-    Cells of first-wave slots that write nothing are pointed at the first writer's cell (equal
-    values written twice), or, with no writer, at an unchanged cell: every scatter index is valid."""
+    that conflict with no earlier one, most of a round's; at most `width`, default
+    `first_wave_width`) is read together and written in one scatter; the rest then go one by one
+    in task order. Exact for every observation with evidence (the only ones recorded): a
+    later-wave observation never conflicts with a first-wave one that follows it in task order (it
+    would not be first-wave otherwise). Observations without evidence write nothing and are left
+    as given."""
     n, n_slots = net.state.shape[0], order.shape[0]
     active = evidence.valid
     first = first_wave(world, order, evidence.author, active, detector)
-    # the first wave, at once
+    # the first wave, at once: its first `width` writers in slot order, gathered (about a fifth of a
+    # busy round's slots have evidence; computing every slot's rows cost 3x more); writers beyond
+    # them join the later waves, which stays exact (none of them conflicts with the first wave)
+    width = first_wave_width(n_slots) if width is None else min(width, n_slots)
+    writers = first & active
+    picked = writers & (jnp.cumsum(writers) <= width)
+    first = first & (picked | ~active)
+    n_picked = picked.sum()
+    slot_of = jnp.nonzero(picked, size=width, fill_value=0)[0]  # (width,) slots; padding repeats slot 0
+    used = jnp.arange(width) < n_picked
+    ev = at(evidence, slot_of)
     rows, obs = jax.vmap(lambda e: observe_rows(p, world, net, e.author, e.task_type, e.ability, e.q, e.t, e.valid,
-                                                detector))(evidence)  # fmt: skip
-    write = first & active
-    lead = jnp.argmax(write)  # the first writer (slot 0 when none)
-    cell = (jnp.clip(evidence.author[lead], 0, n - 1), evidence.task_type[lead], evidence.ability[lead])
-    lead_rows = jax.tree_util.tree_map(
-        lambda r, c: jnp.where(write[lead], r[lead], c), rows, current_rows(net, *cell)
-    )
+                                                detector))(ev)  # fmt: skip
+    # padding rows write the first writer's cell with its rows (equal values written twice), or,
+    # with no writer, an unchanged cell: every scatter index is valid
+    cell = (jnp.clip(ev.author[0], 0, n - 1), ev.task_type[0], ev.ability[0])
+    lead_rows = jax.tree_util.tree_map(lambda r, c: jnp.where(used[0], r[0], c), rows, current_rows(net, *cell))
     rows = jax.tree_util.tree_map(
-        lambda r, c: jnp.where(write.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
-    index = tuple(
-        jnp.where(write, x, c) for x, c in zip((evidence.author, evidence.task_type, evidence.ability), cell)
-    )
+        lambda r, c: jnp.where(used.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
+    index = tuple(jnp.where(used, x, c) for x, c in zip((ev.author, ev.task_type, ev.ability), cell))
     net = write_rows(net, *index, rows)
-    observations = jax.tree_util.tree_map(lambda new, old: jnp.where(first, new, old), obs, observations)
+    target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
+    observations = jax.tree_util.tree_map(lambda o, new: o.at[target].set(new, mode="drop"), observations, obs)
     # the later waves, one by one in task order
     rest = order[jnp.argsort(first[order], stable=True)]  # later-wave slots first, in task order
     n_rest = n_slots - first.sum()
@@ -735,9 +752,9 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     required = world.pair_abilities[slot.pair]
     missing = required & ~slot.covered
     isolated_relay = (net.state[i] == ISOLATED) & ~slot.probe_visit
-    eligible = (net.state == ISOLATED) & (t - net.probe_timer >= p.probe_interval)
     nb, valid, nbc = neighbours_of(world, i)
-    candidates = valid & eligible[nbc] & jnp.any(world.holds[nbc] & missing[None, :], axis=1)
+    eligible = (net.state[nbc] == ISOLATED) & (t - net.probe_timer[nbc] >= p.probe_interval)  # (K,): not all N
+    candidates = valid & eligible & jnp.any(world.holds[nbc] & missing[None, :], axis=1)
     within = (slot.moves + 1 <= p.move_limit) & (slot.since + 1 <= p.route_limit)
     probing = ~isolated_relay & ~slot.probe_visit & candidates.any() & within
     j = pick_neighbour(u_route[D.PROBE], nb, candidates)
@@ -1082,7 +1099,7 @@ def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Sl
         unreviewed=slot.unreviewed + no_reviewer)  # fmt: skip
     # REVIEW -> committee or done
     x = resp.score
-    q0 = jnp.sort(x)[1]
+    q0 = median_of_3(x)
     mean = (x[0] + x[1] + x[2]) / 3.0
     s_u = jnp.sqrt(((x[0] - mean) ** 2 + (x[1] - mean) ** 2 + (x[2] - mean) ** 2) / 2.0)
     committee = (le_tol(q0, p.tau_to, p.tol) | gt_tol(s_u, p.sigma_com, p.tol)
@@ -1298,6 +1315,12 @@ TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace p
 # are unchanged (no fast math at any level), so results are identical.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
+# A chunk draws the next slots * n_rounds / WINDOW_ROUNDS_PER_TASK tasks' uniforms at its start
+# (`draw_window`); a task beyond them is drawn on the spot (the same draws). A task takes at least
+# 3 rounds and about 6 in a busy network (5.7 in the healthy phase at 576 agents, 11 in the
+# degraded one); 3 drew twice the tasks a chunk uses, and threefry was a third of the round.
+WINDOW_ROUNDS_PER_TASK = 6
+
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
 def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
@@ -1305,7 +1328,7 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
     TRACES["run_rounds"] += 1
 
-    width = min(cfg.n_tasks, max(2 * cfg.slots, cfg.slots * n_rounds // 3))  # ~3 rounds per task at least
+    width = min(cfg.n_tasks, max(2 * cfg.slots, cfg.slots * n_rounds // WINDOW_ROUNDS_PER_TASK))
 
     def one_stream(p, world, carry):
         window = draw_window(world, carry.next_t, width)

@@ -42,9 +42,9 @@ def mid_run(detector: str):
     return params, engine.at(worlds, 0), net
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def both(detector, p, world, net, evidence, order, observations):
-    fast = engine.observe_round(p, world, net, evidence, order, observations, detector)
+@functools.partial(jax.jit, static_argnums=(0, 7))
+def both(detector, p, world, net, evidence, order, observations, width):
+    fast = engine.observe_round(p, world, net, evidence, order, observations, detector, width)
 
     def one(n, state):
         net_, obs_ = state
@@ -59,10 +59,11 @@ def both(detector, p, world, net, evidence, order, observations):
     return fast, slow
 
 
+@pytest.mark.parametrize("width", [SLOTS, 3])  # 3: first-wave writers beyond the third join the later waves
 @pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_observe_round_equals_one_by_one(detector, data):
+def test_observe_round_equals_one_by_one(detector, width, data):
     p, world, net = mid_run(detector)
     n_agents = int(net.state.shape[0])
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -87,7 +88,7 @@ def test_observe_round_equals_one_by_one(detector, data):
     zi = jnp.zeros(SLOTS, jnp.int32)
     observations = engine.Observation(z=jnp.zeros(SLOTS), z_defined=jnp.zeros(SLOTS, bool), before=zi, after=zi,
                                       reason=zi)  # fmt: skip
-    (net_fast, obs_fast), (net_slow, obs_slow) = both(detector, p, world, net, evidence, order, observations)
+    (net_fast, obs_fast), (net_slow, obs_slow) = both(detector, p, world, net, evidence, order, observations, width)
     kept = np.asarray(evidence.valid)
     for name, a, b, mask in [
         *zip(("net",) * 9, jax.tree_util.tree_leaves(net_fast), jax.tree_util.tree_leaves(net_slow), [None] * 9),
@@ -121,3 +122,9 @@ def test_first_wave_on_a_hand_built_round():
     # task order, not slot order: slot 3 (evidence on agent 0) first now, so slot 0 waits for it
     order = jnp.asarray([3, 0, 1, 2, 4], jnp.int32)
     assert engine.first_wave(world, order, authors, evidence, "cusum").tolist() == [False, True, True, True, True]
+
+
+def test_median_of_3_equals_sorting():
+    grid = np.array(np.meshgrid(*[[0.0, 0.25, 0.5, 1.0]] * 3)).reshape(3, -1).T
+    for x in grid:
+        assert float(engine.median_of_3(jnp.asarray(x))) == float(np.sort(x)[1])
