@@ -154,8 +154,8 @@ def degraded_gap(tasks: pl.DataFrame, states: pl.DataFrame, schedule) -> list[di
             .when(~after).then(pl.lit("before, clean"))
             .when(pl.col("visits")).then(pl.lit("after, visits"))
             .otherwise(pl.lit("after, clean")))  # fmt: skip
-    by = d.with_columns(part=part).group_by("part").agg(pl.col("correct").mean().alias("acc"), pl.len().alias("n"))
-    by = {r["part"]: r for r in by.iter_rows(named=True)}
+    parts = d.with_columns(part=part).group_by("part").agg(acc=pl.col("correct").mean(), n=pl.len())
+    by = {r["part"]: r for r in parts.iter_rows(named=True)}
     rows = []
     for name, key in GAP_PARTS:
         r = by.get(key, {"acc": None, "n": 0})

@@ -59,8 +59,9 @@ def test_degraded_gap_parts_sum_to_the_phase_difference(report):
     assert sum(p["tasks"] for p in parts) == total["tasks"] == 5 * 3 * 252
     assert sum(p["contribution"] for p in parts) == pytest.approx(total["contribution"], abs=1e-12)
     acc = {r["target"]: r["measured"]["mean"] for r in rows}
-    d_minus_h = acc["accuracy, degraded phase, mean of 3 datasets"] - acc["accuracy, healthy phase, mean of 3 datasets"]
-    assert total["contribution"] == pytest.approx(d_minus_h, abs=1e-12)  # equal phases: pooled = mean of streams
+    d = acc["accuracy, degraded phase, mean of 3 datasets"]
+    h = acc["accuracy, healthy phase, mean of 3 datasets"]
+    assert total["contribution"] == pytest.approx(d - h, abs=1e-12)  # equal phases: pooled = mean of streams
 
 
 def test_degraded_gap_on_a_hand_built_stream():
@@ -72,8 +73,9 @@ def test_degraded_gap_on_a_hand_built_stream():
     tasks = pl.DataFrame({**{k: [v] * 8 for k, v in labels.items()}, "t": list(range(1, 9)),
                           "phase": [0, 0, 0, 0, 1, 1, 1, 1], "route": ["0", "1", "0-1", "3", "2-0", "1", "4", "0"],
                           "correct": [True, True, True, False, False, True, False, True]})  # fmt: skip
+    # A5 isolated at t3 (before it degraded: not a detection), A3 at t5, A5 again at t6
     states = pl.DataFrame({**{k: [v] * 3 for k, v in labels.items()}, "t": [3, 5, 6], "agent": [4, 2, 4],
-                           "to": ["isolated", "isolated", "isolated"]})  # fmt: skip (A5 at t3: before it degraded)
+                           "to": ["isolated", "isolated", "isolated"]})  # fmt: skip
     *parts, total = degraded_gap(tasks, states, schedule)
     # H = 3/4; t_all = 6 (the later of the two isolations): t5 before, visits A3 (wrong); t6 before,
     # clean (right); t7 after, visits A5 (wrong); t8 after, clean (right)
