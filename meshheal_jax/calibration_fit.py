@@ -302,9 +302,7 @@ def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dic
         state = {"generation": gen + 1, "mean": mean.tolist(), "sigma": sigma.tolist(), "rng": rng.bit_generator.state,
                  "config": config,
                  "best": {"loss": best[0], "docs": best[1], "rows": best[2]}}  # fmt: skip
-        tmp = state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        tmp.replace(state_file)
+        runner.write_atomic(state_file, json.dumps(state))
         print(f"generation {gen + 1}: best {values[order[0]]:.2f} ({passing}/{len(rows[0])} targets met), median "
               f"{np.median(values):.2f}, best so far {best[0]:.2f}, mean step {sigma.mean():.3f}, "
               f"{time.perf_counter() - clock:.0f} s", flush=True)  # fmt: skip

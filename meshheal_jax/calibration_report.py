@@ -119,11 +119,11 @@ def evaluate(contexts_by_pair: dict[str, list[dict]]) -> list[dict]:
 
 
 GAP_PARTS = (
-    ("degraded agents not both isolated by the stream's end", "never"),
-    ("before both are isolated: task visits a degraded agent", "before, visits"),
-    ("before both are isolated: task visits none", "before, clean"),
-    ("after both are isolated: task visits a degraded agent (probe, relay, re-entry)", "after, visits"),
-    ("after both are isolated: task visits none", "after, clean"),
+    "degraded agents not both isolated by the stream's end",
+    "before both are isolated: task visits a degraded agent",
+    "before both are isolated: task visits none",
+    "after both are isolated: task visits a degraded agent (probe, relay, re-entry)",
+    "after both are isolated: task visits none",
 )
 
 
@@ -132,10 +132,9 @@ def degraded_gap(tasks: pl.DataFrame, states: pl.DataFrame, schedule) -> list[di
 
     Degraded-phase tasks (phase 1 of the persistent schedule) fall in the parts of GAP_PARTS, by
     whether every degraded agent had been isolated at least once since it degraded, before the task
-    (per stream), and
-    whether the task's route visits a degraded agent. A part's contribution is its share of the
-    phase's tasks × (its accuracy − the healthy-phase accuracy); the contributions sum to
-    acc D − acc H (pooled over streams; every stream has the same number of tasks per phase)."""
+    (per stream), and whether the task's route visits a degraded agent. A part's contribution is
+    its share of the phase's tasks × (its accuracy − the healthy-phase accuracy); the contributions
+    sum to acc D − acc H (pooled over streams; every stream has the same number of tasks per phase)."""
     start = {a: s for a, s, _ in schedule.intervals}
     degraded = sorted(start)
     streams = ["dataset", "pair", "seed"]
@@ -149,21 +148,23 @@ def degraded_gap(tasks: pl.DataFrame, states: pl.DataFrame, schedule) -> list[di
     d = x.filter(pl.col("phase") == 1)
     never = pl.col("n_isolated").is_null() | (pl.col("n_isolated") < len(degraded))
     after = pl.col("t") > pl.col("t_all")
-    part = (pl.when(never).then(pl.lit("never"))
-            .when(~after & pl.col("visits")).then(pl.lit("before, visits"))
-            .when(~after).then(pl.lit("before, clean"))
-            .when(pl.col("visits")).then(pl.lit("after, visits"))
-            .otherwise(pl.lit("after, clean")))  # fmt: skip
+    never_, before_visits, before_clean, after_visits, after_clean = (pl.lit(name) for name in GAP_PARTS)
+    part = (pl.when(never).then(never_)
+            .when(~after & pl.col("visits")).then(before_visits)
+            .when(~after).then(before_clean)
+            .when(pl.col("visits")).then(after_visits)
+            .otherwise(after_clean))  # fmt: skip
     parts = d.with_columns(part=part).group_by("part").agg(acc=pl.col("correct").mean(), n=pl.len())
     by = {r["part"]: r for r in parts.iter_rows(named=True)}
     rows = []
-    for name, key in GAP_PARTS:
-        r = by.get(key, {"acc": None, "n": 0})
+    for name in GAP_PARTS:
+        r = by.get(name, {"acc": None, "n": 0})
         share = r["n"] / max(len(d), 1)
         rows.append({"part": name, "tasks": r["n"], "share": share, "accuracy": r["acc"],
                      "contribution": 0.0 if r["acc"] is None else share * (r["acc"] - healthy)})  # fmt: skip
+    degraded_acc = float(d["correct"].mean())
     rows.append({"part": "degraded phase (acc D − acc H)", "tasks": len(d), "share": 1.0,
-                 "accuracy": float(d["correct"].mean()), "contribution": float(d["correct"].mean()) - healthy})  # fmt: skip
+                 "accuracy": degraded_acc, "contribution": degraded_acc - healthy})  # fmt: skip
     return rows
 
 

@@ -665,10 +665,9 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     width = first_wave_width(n_slots) if width is None else min(width, n_slots)
     writers = first & active
     picked = writers & (jnp.cumsum(writers) <= width)
-    first = first & (picked | ~active)
-    n_picked = picked.sum()
+    first = picked | ~active
     slot_of = jnp.nonzero(picked, size=width, fill_value=0)[0]  # (width,) slots; padding repeats slot 0
-    used = jnp.arange(width) < n_picked
+    used = jnp.arange(width) < picked.sum()
     ev = at(evidence, slot_of)
     rows, obs = jax.vmap(lambda e: observe_rows(p, world, net, e.author, e.task_type, e.ability, e.q, e.t, e.valid,
                                                 detector))(ev)  # fmt: skip
@@ -1310,8 +1309,8 @@ def _empty_review() -> ReviewRecord:
 
 TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace per shape
 
-# XLA's CPU backend at optimisation level 1 instead of 2: the 576-agent program compiles in 10 s
-# instead of 14 s and runs as fast (benchmarks/README.md "Cold start"). Floating-point semantics
+# XLA's CPU backend at optimisation level 1 instead of 2: the 576-agent program compiles in 10-13.5 s
+# instead of 14 s and runs as fast (benchmarks/README.md, "second session"). Floating-point semantics
 # are unchanged (no fast math at any level), so results are identical.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
@@ -1450,28 +1449,20 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     carry = shard_streams(initial_carries(cfg, worlds), mesh)
     specs = specs[:n_real]
     kept: list[list[dict]] = [[] for _ in specs]
-
-    def gather(k, records, next_t):
+    k = 0
+    while not done(cfg, carry).all():
+        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
         records = jax.tree_util.tree_map(np.asarray, records)
         frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
         if on_progress is not None:
-            on_progress(int(np.minimum(np.asarray(next_t)[:n_real] - 1, cfg.n_tasks).sum()), cfg.n_tasks * n_real)
+            next_t = np.asarray(carry.next_t)[:n_real]
+            on_progress(int(np.minimum(next_t - 1, cfg.n_tasks).sum()), cfg.n_tasks * n_real)
         if on_chunk is not None:
             on_chunk(k, frames)
         else:
             for s in range(len(specs)):
                 kept[s].append(frames[s])
-
-    # One chunk ahead: chunk k+1 is dispatched (JAX runs it asynchronously) before chunk k's
-    # records are turned into tables on the host, so the two overlap.
-    pending, k = None, 0
-    while not done(cfg, carry).all():
-        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
-        if pending is not None:
-            gather(*pending)
-        pending, k = (k, records, carry.next_t), k + 1
-    if pending is not None:
-        gather(*pending)
+        k += 1
     return [{name: pl.concat([f[name] for f in parts]) if parts else _empty(name) for name in tables}
             for parts in kept]  # fmt: skip
 

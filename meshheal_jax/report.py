@@ -549,9 +549,7 @@ def write_report(run_dir: Path | str) -> Path:
     run = load_run(run_dir)
     figures = make_plots(run)
     path = run.path / REPORT_NAME
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(render(run, figures))
-    tmp.replace(path)
+    runner.write_atomic(path, render(run, figures))
     return path
 
 

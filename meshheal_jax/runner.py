@@ -291,6 +291,13 @@ def _versions() -> dict:
     return out
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` through a temporary file and a rename, so a crash never leaves it half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     """Create a new run folder, or reopen one holding the same experiment (resume)."""
     if out is None:
@@ -322,9 +329,7 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = {RUN_MARKER: True, "experiment": exp.to_json(), "versions": _versions(),
               "git_revision": _git_revision(), "created": datetime.datetime.now().isoformat()}  # fmt: skip
-    tmp = config_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(config, indent=2))
-    tmp.replace(config_path)
+    write_atomic(config_path, json.dumps(config, indent=2))
     return out
 
 

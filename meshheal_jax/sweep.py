@@ -779,9 +779,7 @@ def write_report(run_dir: Path | str) -> Path:
     lines += ["## Reproduce", "", "```sh", *reproduce_commands(config, run_dir), "```", ""]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
     path = run_dir / report.REPORT_NAME
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    tmp.replace(path)
+    runner.write_atomic(path, "\n".join(lines))
     return path
 
 
