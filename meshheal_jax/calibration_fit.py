@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import polars as pl
 
 from meshheal_jax import runner
-from meshheal_jax.calibration_report import evaluate, print_report, seed_context
-from meshheal_jax.cli import entrypoint
+from meshheal_jax.calibration_report import GAP_PARTS, degraded_gap, evaluate, print_report, seed_context
+from meshheal_jax.cli import entrypoint, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import ANCHORS, MODEL_DIR, PAIRS, Pair, dump_model, parse_model
+from meshheal_jax.params import ANCHORS, DIFFICULTY, MODEL_DIR, PAIRS, Pair, dump_model, parse_model
 
 DATASETS = ("bbh", "math", "mmlu_pro")
 # Which files each pair's fit changes (the other file of pairs A and B is the fitted default one).
@@ -51,14 +52,17 @@ FLOOR = 1e-3  # smallest probability a knob starts from (a logit of 0 or 1 is in
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
-    """One block of coordinates: a probability (1 coordinate) or a categorical over the anchors
-    (3 coordinates: log-ratios of the first three anchors to the last)."""
+    """One block of coordinates: a probability (1 coordinate, its logit), a categorical over the
+    anchors (3 coordinates: log-ratios of the first three anchors to the last) or a non-negative
+    number (1 coordinate, the value itself, clipped at 0: the difficulty parameters, whose neutral
+    value 0 the search must be able to reach exactly)."""
 
     model: str  # "strong" | "weak"
     path: tuple[
         str, ...
     ]  # keys into the model file, e.g. ("p_part", "bbh") or ("review", "weak_author", "wrong")
     categorical: bool = False
+    non_negative: bool = False
 
     @property
     def size(self) -> int:
@@ -78,6 +82,7 @@ def _knobs() -> tuple[Knob, ...]:
         out += [
             Knob(model, (sec, role, label), True) for sec in sections for role in ROLES for label in LABELS
         ]
+        out += [Knob(model, (k,), non_negative=True) for k in DIFFICULTY]
     return tuple(out)
 
 
@@ -95,6 +100,8 @@ def _logit(p: float) -> float:
 
 
 def _get(doc: dict, path: tuple[str, ...]):
+    if path[0] in DIFFICULTY:
+        return doc.get(path[0], 0.0)  # optional in a file: 0, the independent model
     value = doc
     for key in path:
         value = value[key]
@@ -116,6 +123,8 @@ def encode(docs: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS) -> np.ndarray
         if knob.categorical:
             p = np.maximum(np.asarray(value, float), FLOOR)
             x += list(np.log(p[:-1] / p[-1]))
+        elif knob.non_negative:
+            x.append(float(value))
         else:
             x.append(_logit(float(value)))
     return np.asarray(x)
@@ -134,6 +143,8 @@ def decode(x: np.ndarray, base: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS
             p = [round(float(v), 6) for v in w / w.sum()]
             p[-1] = round(1.0 - sum(p[:-1]), 6)
             _set(docs[knob.model], knob.path, p)
+        elif knob.non_negative:
+            _set(docs[knob.model], knob.path, round(max(float(z[0]), 0.0), 6))
         else:
             _set(docs[knob.model], knob.path, round(1.0 / (1.0 + math.exp(-float(z[0]))), 6))
     return docs
@@ -169,8 +180,9 @@ class Evaluator:
             (d, s, *runner._stream_inputs(self.exp, d, pair, s)[0:2]) for d in datasets for s in seeds
         ]
 
-    def rows(self, pairs: list[Pair]) -> list[list[dict]]:
-        """calibration_report rows (the targets of this evaluator's pair) of each candidate pair."""
+    def rows(self, pairs: list[Pair], gaps: list | None = None) -> list[list[dict]]:
+        """calibration_report rows (the targets of this evaluator's pair) of each candidate pair;
+        with `gaps` (a list), also appends each candidate's calibration_report.degraded_gap."""
         from meshheal_jax import engine, sweep
 
         protocol = ProtocolParams()
@@ -193,6 +205,9 @@ class Evaluator:
                 by_dataset = {d: f for (d, s, *_), f in zip(self.streams, mine) if s == seed}
                 contexts.append(seed_context(by_dataset, self.schedule, self.phase_names))
             out.append([r for r in evaluate({self.pair: contexts}) if r["pair"] == self.pair])
+            if gaps is not None:
+                tasks, states = (pl.concat([f[table] for f in mine]) for table in ("tasks", "states"))
+                gaps.append(degraded_gap(tasks, states, self.schedule))
         return out
 
 
@@ -221,7 +236,10 @@ class FitConfig:
     population: int = 24
     """candidates per generation (even: mirrored pairs)"""
     sigma: float = 0.3
-    """initial step size in every coordinate (logit / log-ratio units)"""
+    """initial step size in every coordinate (logit / log-ratio units) but the difficulty ones"""
+    difficulty_sigma: float = 0.6
+    """initial step size of the difficulty coordinates (files without them start at 0, where a
+    small step mostly lands on the clip)"""
     fit_seeds: tuple[int, ...] = (100, 101, 102, 103, 104, 105, 106, 107)
     """seeds the fit evaluates on (the report uses 0..4)"""
     search_seed: int = 0
@@ -240,6 +258,11 @@ class FitConfig:
     """default pair: after the search, scale the completion-token ranges to the tokens-per-task target"""
     write: bool = False
     """write the best candidate's files into meshheal_jax/model_params/"""
+    scan_spread: tuple[float, ...] = ()
+    """no search: evaluate the pair's files with every (difficulty_spread, review_difficulty) of
+    scan_spread x scan_review set on both models (one batch, the fit seeds) and print a table"""
+    scan_review: tuple[float, ...] = (0.0,)
+    """review_difficulty values of the scan (with --scan-spread)"""
 
 
 def utilities(n: int) -> np.ndarray:
@@ -264,6 +287,7 @@ def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dic
 
     state_file = cfg.out / "state.json"
     config = {"population": cfg.population, "fit_seeds": list(cfg.fit_seeds), "sigma": cfg.sigma,
+              "difficulty_sigma": cfg.difficulty_sigma,
               "search_seed": cfg.search_seed, "pair": cfg.pair, "prior": cfg.prior,
               "knobs": [k.name for k in knobs]}  # fmt: skip
     if state_file.exists():
@@ -278,7 +302,8 @@ def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dic
         print(f"resumed {state_file} after generation {first}: best loss {best[0]:.2f}", flush=True)
     else:
         rng = np.random.default_rng(cfg.search_seed)
-        mean, sigma, first = origin, np.full(dim, cfg.sigma), 0
+        steps = [cfg.difficulty_sigma if k.non_negative else cfg.sigma for k in knobs for _ in range(k.size)]
+        mean, sigma, first = origin, np.asarray(steps, float), 0
         start_rows = evaluator.rows([pair_of(decode(mean, base, knobs), cfg.pair)])[0]
         best = (score(mean, start_rows), decode(mean, base, knobs), start_rows)
         print(f"start: loss {best[0]:.2f}", flush=True)
@@ -335,8 +360,51 @@ def scale_tokens(docs: dict[str, dict], rows: list[dict], evaluator: Evaluator, 
     return docs, rows
 
 
+def _num(x: float | None, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def scan_difficulty(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
+    """The pair's files with the latent-difficulty parameters set on both models, grid by grid:
+    accuracy per phase, primary targets met, loss, and where the degraded phase's accuracy goes."""
+    base = base_docs(cfg.pair)
+    points = [(spread, review) for spread in cfg.scan_spread for review in cfg.scan_review]
+    pairs = []
+    for spread, review in points:
+        docs = copy.deepcopy(base)
+        for role in ("strong", "weak"):
+            docs[role]["difficulty_spread"], docs[role]["review_difficulty"] = spread, review
+        pairs.append(pair_of(docs, cfg.pair))
+    gaps: list = []
+    rows = evaluator.rows(pairs, gaps)
+    out = []
+    table = new_table(f"Latent difficulty on both models, the {cfg.pair} pair's files otherwise "
+                      f"(fit seeds {list(cfg.fit_seeds)}, jax engine, slots 1)",
+                      "spread", "review", "acc H", "acc D", "D − H", "MATH H → D", "primary met", "loss",
+                      "not both isolated (share, contribution)", "after isolation, visits none")  # fmt: skip
+    for (spread, review), r, gap in zip(points, rows, gaps):
+        value = {x["target"]: x["measured"]["mean"] for x in r}
+        primary = [x for x in r if x["priority"] == "primary"]
+        by_part = {g["part"]: g for g in gap}
+        never, clean = by_part[GAP_PARTS[0]], by_part[GAP_PARTS[4]]
+        h, d = value["accuracy, healthy phase, mean of 3 datasets"], value["accuracy, degraded phase, mean of 3 datasets"]
+        table.add_row(f"{spread:g}", f"{review:g}", _num(h), _num(d), _num(d - h, "+.3f"),
+                      f"{_num(value['MATH accuracy, healthy phase'])} → {_num(value['MATH accuracy, degraded phase'])}",
+                      f"{sum(x['pass'] for x in primary)}/{len(primary)}", f"{loss(r):.1f}",
+                      f"{never['share']:.3f}, {never['contribution']:+.4f}", f"{clean['contribution']:+.4f}")  # fmt: skip
+        out.append({"difficulty_spread": spread, "review_difficulty": review, "rows": r, "degraded_gap": gap})
+    print_table(table)
+    return out
+
+
 def body(cfg: FitConfig) -> None:
     evaluator = Evaluator(cfg.fit_seeds, pair=cfg.pair)
+    if cfg.scan_spread:
+        result = scan_difficulty(cfg, evaluator)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        runner.write_atomic(cfg.out / "difficulty_scan.json", json.dumps(result, indent=2))
+        print(f"wrote {cfg.out / 'difficulty_scan.json'}")
+        return
     docs, rows, value = fit(cfg, evaluator)
     if cfg.tokens and cfg.pair == "default":
         docs, rows = scale_tokens(docs, rows, evaluator, cfg.pair)
@@ -346,7 +414,8 @@ def body(cfg: FitConfig) -> None:
     if cfg.write:
         header = ("Emulator parameters of one MODEL (spec/emulator.md); anchors [0, 0.25, 0.5, 1.0].\n"
                   f"Fitted by `python -m meshheal_jax.calibration_fit --pair {cfg.pair} --generations "
-                  f"{cfg.generations} --population {cfg.population} --sigma {cfg.sigma} --write` on seeds "
+                  f"{cfg.generations} --population {cfg.population} --sigma {cfg.sigma} --difficulty-sigma "
+                  f"{cfg.difficulty_sigma} --write` on seeds "
                   f"{list(cfg.fit_seeds)}.")  # fmt: skip
         for role in FITTED[cfg.pair]:
             name = PAIRS[cfg.pair][role == "weak"]

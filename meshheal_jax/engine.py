@@ -28,7 +28,7 @@ from meshheal_jax.draws import categorical, pick_from_mask, pick_index
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import SCHEMAS
 from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
-from meshheal_jax.streams import HealthSchedule, Stream
+from meshheal_jax.streams import DIFFICULTY_BINS, HealthSchedule, Stream
 from meshheal_jax.topology import Network
 
 jax.config.update("jax_enable_x64", True)
@@ -103,15 +103,15 @@ class Params:
     cusum_k: jax.Array
     cusum_h: jax.Array
     p_infer: jax.Array  # (2,)
-    p_part: jax.Array  # (2, T)
+    p_part: jax.Array  # (2, T, DIFFICULTY_BINS)
     p_rescue: jax.Array  # (2,)
     rho_same: jax.Array  # (2,)
     p_follow: jax.Array  # (2,)
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], 4)
-    round2_thr: jax.Array  # (2, 2, 2, 4)
+    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], DIFFICULTY_BINS, 4)
+    round2_thr: jax.Array  # (2, 2, 2, DIFFICULTY_BINS, 4)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, 7 kinds, 2 [min, max]) int
     prompt: jax.Array  # (2, 7 kinds) int
@@ -125,6 +125,7 @@ class World:
     holds: jax.Array  # (N, A) bool
     nbr: jax.Array  # (N, K) int32 neighbours in increasing index, -1 padding
     task_type: jax.Array  # (n_tasks,) int
+    difficulty: jax.Array  # (n_tasks,) int32: the difficulty bin of each task's question [backend only]
     true_pair: jax.Array  # (T,) int: documented pair of each type
     pair_abilities: jax.Array  # (P, A) bool, P padded to the number of task types
     pair_valid: jax.Array  # (P,) bool: a documented pair (not padding)
@@ -140,12 +141,12 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
     models = (pair.strong, pair.weak)
 
     def thr(kind: str) -> np.ndarray:
-        out = np.zeros((2, 2, 2, 4))
+        out = np.zeros((2, 2, 2, DIFFICULTY_BINS, 4))
         for r, m in enumerate(models):
             for a, role in enumerate(("strong_author", "weak_author")):
                 for c in (0, 1):
-                    fn = m.review_thresholds if kind == "review" else m.round2_thresholds
-                    out[r, a, c] = fn(role, bool(c))
+                    table = m.review_cumulative if kind == "review" else m.round2_cumulative
+                    out[r, a, c] = table[(role, bool(c))]
         return out
 
     if pair.strong.n_distractors != pair.weak.n_distractors:
@@ -188,6 +189,7 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule, k_max
     return World(
         holds=jnp.asarray(network.holds), nbr=jnp.asarray(table, dtype=jnp.int32),
         task_type=jnp.asarray(stream.task_type, dtype=jnp.int32),
+        difficulty=jnp.asarray(stream.difficulty, dtype=jnp.int32),
         true_pair=jnp.asarray([profile.pair_index(ty) for ty in range(len(profile.task_types))], dtype=jnp.int32),
         pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(pairs),
         degraded_from=jnp.asarray(start), degraded_until=jnp.asarray(until),
@@ -760,17 +762,19 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     held = world.holds[i] & missing
     handoff = ~isolated_relay & ~probing & ~held.any()
 
-    relay_slot = _next_hop(p, world, net, slot, missing, u_route, A_RELAY)
+    # a relay and a handoff are the same next hop, logged as different actions (one traced copy:
+    # a relay starts from a non-probe visit, so both leave probe_visit False)
+    hop_slot = dataclasses.replace(
+        _next_hop(p, world, net, slot, missing, u_route, jnp.where(isolated_relay, A_RELAY, A_HANDOFF)),
+        probe_visit=jnp.bool_(False))  # fmt: skip
     probe_slot = dataclasses.replace(_move(p, slot, j, A_PROBE), probe_visit=jnp.bool_(True))
-    handoff_slot = dataclasses.replace(_next_hop(p, world, net, slot, missing, u_route, A_HANDOFF),
-                                       probe_visit=jnp.bool_(False))  # fmt: skip
     work_slot = dataclasses.replace(slot, phase=jnp.int32(GENERATE), ability=jnp.argmax(held).astype(jnp.int32),
                                     finalize=jnp.all(held == missing))  # fmt: skip
 
-    def choose(a, b, c, d):
-        return jnp.where(isolated_relay, a, jnp.where(probing, b, jnp.where(handoff, c, d)))
+    def choose(hop, probe, work):  # probing excludes a relay; handoff excludes both
+        return jnp.where(probing, probe, jnp.where(isolated_relay | handoff, hop, work))
 
-    new_slot = jax.tree_util.tree_map(choose, relay_slot, probe_slot, handoff_slot, work_slot)
+    new_slot = jax.tree_util.tree_map(choose, hop_slot, probe_slot, work_slot)
     return jnp.where(probing, j, -1).astype(jnp.int32), new_slot
 
 
@@ -911,6 +915,7 @@ def _distractor(p: Params, role, u):
 def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_infer):
     """One slot's calls. u_calls: (N_CALL_SLOTS, N_CALL_U) of the visit; returns (backend, response)."""
     t, ty, author, s = r.t, r.task_type, r.author, r.ability
+    q = world.difficulty[jnp.maximum(t - 1, 0)]  # the question's difficulty bin
     fold = (r.phase == GENERATE) & b.pending  # the previous Contribute's output joins the draft
     b = dataclasses.replace(b, draft_ok=jnp.where(fold, b.draft_ok & b.result_ok, b.draft_ok),
                             draft_tokens=jnp.where(fold, b.draft_tokens + b.result_tokens, b.draft_tokens),
@@ -938,10 +943,10 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     # generate
     ug = u_calls[D.GENERATE]
     role_g = _role(world, author, s, t)
-    part_ok = ug[D.U_MAIN] < p.p_part[role_g, ty]
+    part_ok = ug[D.U_MAIN] < p.p_part[role_g, ty, q]
     comp_g = _completion(p, role_g, K_GENERATE, ug[D.U_TOKENS])
     answer_ok = jnp.where(b.pair_ok, part_ok & (b.draft_ok | (ug[D.U_AUX] < p.p_rescue[role_g])),
-                          ug[D.U_AUX] < p.p_part[WEAK, ty])  # fmt: skip
+                          ug[D.U_AUX] < p.p_part[WEAK, ty, q])  # fmt: skip
     answer_id = jnp.where(answer_ok, 0, _distractor(p, role_g, ug[D.U_DISTRACTOR]))
     part_tokens = _visible(p, role_g, comp_g)
     gen_out = dict(out, answer_id=jnp.where(r.finalize, answer_id, 0), role=zeros3i.at[0].set(role_g),
@@ -957,7 +962,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
         agent = r.agent[k]
         role = _role(world, agent, s, t)
         u = u_calls[kind_slot(kind, k)]
-        drawn = jnp.asarray(ANCHORS)[categorical(u[D.U_MAIN], thr_table[role, b.part_role, b.part_ok.astype(jnp.int32)])]
+        drawn = jnp.asarray(ANCHORS)[categorical(u[D.U_MAIN], thr_table[role, b.part_role, b.part_ok.astype(jnp.int32), q])]
         score = jnp.where(use_repeat & (u[D.U_AUX] < p_repeat[role]), repeat_of, drawn)
         comp = _completion(p, role, kind, u[D.U_TOKENS])
         return score, comp, role

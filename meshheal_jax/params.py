@@ -7,10 +7,13 @@ in float64 with the last set to 1.0, so no engine recomputes a cumsum (spec/arch
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from pathlib import Path
+from statistics import NormalDist
 
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.streams import DIFFICULTY_BINS
 from meshheal_jax.topology import Profile
 
 MODEL_DIR = Path(__file__).parent / "model_params"
@@ -26,6 +29,27 @@ SCALARS = (
     "p_infer", "p_rescue", "rho_same", "p_follow", "p_fix", "p_keep", "p_decide",
     "p_popular_wrong", "answer_fraction",
 )  # fmt: skip
+# Latent question difficulty (spec/emulator.md, docs/decisions.md E9): optional, non-negative,
+# 0 (the independent model) when a file leaves them out. Kept in ModelParams.scalars.
+DIFFICULTY = ("difficulty_spread", "review_difficulty")
+# The difficulty z of each bin: the midpoint quantiles of a standard normal (bins are equally likely).
+DIFFICULTY_Z = tuple(NormalDist().inv_cdf((b + 0.5) / DIFFICULTY_BINS) for b in range(DIFFICULTY_BINS))
+
+
+def shifted_probability(p: float, shift: float) -> float:
+    """sigmoid(logit(p) + shift); p itself, bit for bit, when shift is 0 or p is 0 or 1."""
+    if shift == 0.0 or p <= 0.0 or p >= 1.0:
+        return p
+    return 1.0 / (1.0 + math.exp(-(math.log(p / (1.0 - p)) + shift)))
+
+
+def tilted(probabilities: tuple[float, ...], tilt: float) -> tuple[float, ...]:
+    """A categorical over ANCHORS reweighted by exp(tilt * anchor) and renormalised; unchanged,
+    bit for bit, when tilt is 0."""
+    if tilt == 0.0:
+        return probabilities
+    w = [p * math.exp(tilt * a) for p, a in zip(probabilities, ANCHORS)]
+    return tuple(x / sum(w) for x in w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +63,16 @@ class ModelParams:
     round2: dict[tuple[str, bool], tuple[float, ...]]
     completion_tokens: dict[str, tuple[int, int]]  # kind -> [min, max]
     prompt_tokens: dict[str, int]  # kind -> template tokens
-    # cumulative thresholds, computed once here (spec/architecture.md "Randomness")
+    # cumulative thresholds, computed once here (spec/architecture.md "Randomness"); with
+    # difficulty, one row per difficulty bin: (author role, correct) -> (DIFFICULTY_BINS, 4)
     review_cumulative: dict = dataclasses.field(init=False, repr=False, compare=False)
     round2_cumulative: dict = dataclasses.field(init=False, repr=False, compare=False)
     distractor_cumulative: tuple = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         rest = (1.0 - self.p_popular_wrong) / max(self.n_distractors - 1, 1)
-        object.__setattr__(self, "review_cumulative", {k: self.thresholds(v) for k, v in self.review.items()})
-        object.__setattr__(self, "round2_cumulative", {k: self.thresholds(v) for k, v in self.round2.items()})
+        object.__setattr__(self, "review_cumulative", {k: self._binned(k, v) for k, v in self.review.items()})
+        object.__setattr__(self, "round2_cumulative", {k: self._binned(k, v) for k, v in self.round2.items()})
         object.__setattr__(self, "distractor_cumulative",
                            self.thresholds((self.p_popular_wrong,) + (rest,) * (self.n_distractors - 1)))  # fmt: skip
 
@@ -57,7 +82,21 @@ class ModelParams:
             return scalars[item]
         raise AttributeError(item)
 
-    def p_part_for(self, profile: Profile) -> tuple[float, ...]:
+    def _binned(self, key: tuple[str, bool], probabilities: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
+        """A reviewer's categorical per difficulty bin: a harder question (z > 0) moves mass to low
+        scores on a correct part and to high scores on a wrong one (misjudged more often)."""
+        sign = -1.0 if key[1] else 1.0
+        tau = self.scalars.get("review_difficulty", 0.0)
+        return tuple(self.thresholds(tilted(probabilities, sign * tau * z)) for z in DIFFICULTY_Z)
+
+    def p_part_for(self, profile: Profile) -> tuple[tuple[float, ...], ...]:
+        """(task types, DIFFICULTY_BINS): P(part correct) per type and question difficulty bin,
+        logit(p) - difficulty_spread * z."""
+        spread = self.scalars.get("difficulty_spread", 0.0)
+        return tuple(tuple(shifted_probability(p, -spread * z) for z in DIFFICULTY_Z) for p in self.p_part_base(profile))
+
+    def p_part_base(self, profile: Profile) -> tuple[float, ...]:
+        """P(part correct) per task type, as the file states it (before difficulty)."""
         if profile.dataset not in self.p_part:
             raise MeshHealError(
                 f"model file {self.name}: no [p_part] entry for dataset {profile.dataset!r}"
@@ -85,16 +124,22 @@ class ModelParams:
         """Wrong answers: distractor 1 with p_popular_wrong, the others share the rest."""
         return self.distractor_cumulative
 
-    def review_thresholds(self, role: str, correct: bool) -> tuple[float, ...]:
-        return self.review_cumulative[(role, correct)]
+    def review_thresholds(self, role: str, correct: bool, difficulty: int) -> tuple[float, ...]:
+        return self.review_cumulative[(role, correct)][difficulty]
 
-    def round2_thresholds(self, role: str, correct: bool) -> tuple[float, ...]:
-        return self.round2_cumulative[(role, correct)]
+    def round2_thresholds(self, role: str, correct: bool, difficulty: int) -> tuple[float, ...]:
+        return self.round2_cumulative[(role, correct)][difficulty]
 
 
 def _probability(value, where: str) -> float:
     if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
         raise MeshHealError(f"{where} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _non_negative(value, where: str) -> float:
+    if not isinstance(value, (int, float)) or not 0.0 <= float(value) < math.inf:
+        raise MeshHealError(f"{where} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
@@ -119,6 +164,7 @@ def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool],
 def parse_model(doc: dict, name: str, source: str) -> ModelParams:
     try:
         scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
+        scalars |= {k: _non_negative(doc.get(k, 0.0), f"{source}: {k}") for k in DIFFICULTY}
         n_distractors = int(doc["n_distractors"])
         completion = {k: tuple(int(x) for x in doc["completion_tokens"][k]) for k in CALL_KINDS}
         prompt = {k: int(doc["prompt_tokens"][k]) for k in CALL_KINDS}
@@ -176,8 +222,8 @@ def load_pair(name: str, model_dir: Path | None = None) -> Pair:
 def dump_model(m: ModelParams, header: str = "") -> str:
     """A model file's TOML text (the inverse of parse_model)."""
     lines = [f"# {line}" for line in header.splitlines()] + [f"model = {m.model!r}".replace("'", '"')]
-    for key in SCALARS:
-        lines.append(f"{key} = {m.scalars[key]:.6g}")
+    for key in SCALARS + DIFFICULTY:
+        lines.append(f"{key} = {m.scalars.get(key, 0.0):.6g}")
     lines.append(f"n_distractors = {m.n_distractors}")
     lines += ["", "[p_part]"]
     for dataset, table in m.p_part.items():

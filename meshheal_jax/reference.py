@@ -148,11 +148,13 @@ class Output:
 
 
 class ReferenceEmulator:
-    def __init__(self, network: Network, pair: Pair, schedule: HealthSchedule, question_tokens: int):
+    def __init__(self, network: Network, pair: Pair, schedule: HealthSchedule, question_tokens: int,
+                 difficulty: list[int]):  # fmt: skip
         self.holds = network.holds
         self.pair = pair
         self.schedule = schedule
         self.question_tokens = question_tokens
+        self.difficulty = difficulty  # difficulty bin of task t's question at index t-1
         self.p_part = {
             "strong": pair.strong.p_part_for(network.profile),
             "weak": pair.weak.p_part_for(network.profile),
@@ -208,7 +210,8 @@ class ReferenceEmulator:
         Returns (the judged part, the final answer or None)."""
         role = self.role(agent, ability, t)
         m = self.model(role)
-        part_ok = u[D.U_MAIN] < self.p_part[role][task_type]
+        q = self.difficulty[t - 1]
+        part_ok = u[D.U_MAIN] < self.p_part[role][task_type][q]
         completion = self._complete(m, "generate", u[D.U_TOKENS])
         context = sum(o.tokens for o in draft)
         prompt = m.prompt_tokens["generate"] + self.question_tokens + context
@@ -217,7 +220,7 @@ class ReferenceEmulator:
         if finalize:
             draft_ok = all(o.correct for o in draft)
             if not pair_ok:
-                answer_ok = u[D.U_AUX] < self.p_part["weak"][task_type]
+                answer_ok = u[D.U_AUX] < self.p_part["weak"][task_type][q]
             else:
                 answer_ok = part_ok and (draft_ok or u[D.U_AUX] < m.p_rescue)
             answer_id = 0 if answer_ok else self._distractor(m, u[D.U_DISTRACTOR])
@@ -235,7 +238,8 @@ class ReferenceEmulator:
         if repeat_of is not None and u[D.U_AUX] < m.rho_same:
             score = repeat_of
         else:
-            score = ANCHORS[categorical(u[D.U_MAIN], m.review_thresholds(author_role, judged.correct))]
+            thresholds = m.review_thresholds(author_role, judged.correct, self.difficulty[t - 1])
+            score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
         return self._score_call(ctx, kind, reviewer, role, ability, judged, draft, u, score, 0)
 
     def round2_sample(self, ctx, reviewer, ability, t, judged: Output, draft, other_round1: float, u, extra) -> tuple[float, int]:
@@ -245,7 +249,7 @@ class ReferenceEmulator:
         if u[D.U_AUX] < m.p_follow:
             score = other_round1
         else:
-            thresholds = m.round2_thresholds(f"{judged.model}_author", judged.correct)
+            thresholds = m.round2_thresholds(f"{judged.model}_author", judged.correct, self.difficulty[t - 1])
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
         return self._score_call(ctx, "committee2", reviewer, role, ability, judged, draft, u, score, extra)
 
@@ -448,7 +452,8 @@ class ReferenceEngine:
         self.profile = network.profile
         self.labels = dict(labels or {})
         self.world = ReferenceNetwork(network, params, len(self.profile.task_types))
-        self.backend = ReferenceEmulator(network, pair, schedule, self.profile.question_tokens)
+        self.backend = ReferenceEmulator(network, pair, schedule, self.profile.question_tokens,
+                                         stream.difficulty.tolist())  # fmt: skip
         self.warmup = params.warmup_tasks(network.n_agents)
         self.records = StreamRecords([], [], [], [])
 

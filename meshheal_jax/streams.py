@@ -3,11 +3,16 @@
 A stream is a sequence of tasks in balanced blocks of 42 (6 per task type, shuffled inside the
 block), seeded by (seed, dataset id). Emulated questions are ids of a type: the k-th task of a
 type asks question k of that type, so phases never share a question. Task indices t are 1-based.
+
+Every emulated question has a latent difficulty bin (spec/emulator.md; docs/decisions.md E9): a
+function of (seed, dataset id, task type, question id) only, so a question keeps its bin in any
+stream length, method or experiment that asks it. The emulator reads its probabilities per bin.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -15,6 +20,8 @@ from meshheal_jax.errors import MeshHealError
 
 BLOCK_PER_TYPE = 6
 STREAM_SALT = 0x5EED  # separates stream shuffling from the per-task draws (draws.py)
+DIFFICULTY_SALT = 0xD1FF  # separates the questions' difficulty from the shuffling
+DIFFICULTY_BINS = 8  # equal-probability bins of a standard normal difficulty (params.DIFFICULTY_Z)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +36,24 @@ class Stream:
     @property
     def n_tasks(self) -> int:
         return int(self.task_type.shape[0])
+
+    @functools.cached_property
+    def difficulty(self) -> np.ndarray:
+        """(N,) int32: the difficulty bin of task t's question (index t-1)."""
+        return difficulty_bins(self.seed, self.dataset_id, self.task_type, self.question)
+
+
+def difficulty_bins(seed: int, dataset_id: int, task_type: np.ndarray, question: np.ndarray) -> np.ndarray:
+    """Question k of type ty gets floor(u_k * DIFFICULTY_BINS), u_k the k-th uniform of the
+    generator seeded (DIFFICULTY_SALT, seed, dataset_id, ty); uniforms are drawn in order, so
+    question k's bin does not depend on how many questions the stream asks."""
+    task_type, question = np.asarray(task_type), np.asarray(question)
+    out = np.zeros(task_type.shape, dtype=np.int32)
+    for ty in np.unique(task_type):
+        mine = task_type == ty
+        u = np.random.default_rng([DIFFICULTY_SALT, seed, dataset_id, int(ty)]).random(int(question[mine].max()) + 1)
+        out[mine] = np.minimum(np.floor(u[question[mine]] * DIFFICULTY_BINS), DIFFICULTY_BINS - 1)
+    return out
 
 
 def make_stream(

@@ -49,7 +49,7 @@ from meshheal_jax import metrics, runner
 from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import SCALARS, Pair, load_pair
+from meshheal_jax.params import DIFFICULTY, SCALARS, Pair, load_pair
 
 TRADEOFF_PNG = "tradeoff.png"
 MAPS_PNG = "grid_maps.png"
@@ -117,7 +117,7 @@ def _protocol_kinds() -> dict[str, type]:
 def sweepable() -> list[str]:
     """Every name --grid accepts."""
     protocol = [n for n in _protocol_kinds() if n not in STATIC_FIELDS]
-    return protocol + [f"{m}.{s}" for m in MODELS for s in SCALARS]
+    return protocol + [f"{m}.{s}" for m in MODELS for s in SCALARS + DIFFICULTY]
 
 
 def _kind(name: str) -> type:
@@ -131,7 +131,7 @@ def _kind(name: str) -> type:
     if name in kinds:
         return kinds[name]
     model, _, scalar = name.partition(".")
-    if model in MODELS and scalar in SCALARS:
+    if model in MODELS and scalar in SCALARS + DIFFICULTY:
         return float
     raise MeshHealError(f"unknown sweep parameter {name!r}; sweepable: {', '.join(sweepable())}")
 
@@ -200,7 +200,9 @@ def _show(value) -> str:
 def _with_scalar(pair: Pair, name: str, value: float) -> Pair:
     model_name, _, scalar = name.partition(".")
     model = getattr(pair, model_name)
-    if not 0.0 <= value <= 1.0:
+    if scalar in DIFFICULTY and not value >= 0.0:
+        raise MeshHealError(f"{name} must be >= 0, got {value}")
+    if scalar not in DIFFICULTY and not 0.0 <= value <= 1.0:
         raise MeshHealError(f"{name} must be a probability in [0, 1], got {value}")
     return dataclasses.replace(
         pair, **{model_name: dataclasses.replace(model, scalars={**model.scalars, scalar: value})}

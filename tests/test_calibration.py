@@ -91,7 +91,9 @@ def test_any_coordinates_give_valid_model_files_and_round_trip(seed):
     docs = fit.decode(x, base)
     parse_model(docs["strong"], "strong", "strong")  # raises on a categorical not summing to 1
     parse_model(docs["weak"], "weak", "weak")
-    assert np.allclose(fit.encode(docs), x, atol=5e-3)  # 6-decimal files: small logit rounding
+    clipped = np.concatenate([[k.non_negative] * k.size for k in fit.KNOBS])  # difficulty: >= 0
+    expected = np.where(clipped, np.maximum(x, 0.0), x)
+    assert np.allclose(fit.encode(docs), expected, atol=5e-3)  # 6-decimal files: small logit rounding
     assert fit.base_docs() == base  # decode copies, never edits its base
 
 
@@ -137,3 +139,16 @@ def test_evaluator_equals_the_reference_engine():
         want = evaluate({"default": [seed_context({dataset: frames}, schedule, ev.phase_names)]})
         assert [r["measured"] for r in got] == [r["measured"] for r in want]
     assert rows[0] != rows[1]  # the candidates really differ
+
+
+def test_difficulty_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, capsys):
+    ev = fit.Evaluator((100,), ("bbh",))
+    cfg = fit.FitConfig(scan_spread=(0.0, 1.0), scan_review=(0.0,), out=tmp_path)
+    result = fit.scan_difficulty(cfg, ev)
+    assert [(r["difficulty_spread"], r["review_difficulty"]) for r in result] == [(0.0, 0.0), (1.0, 0.0)]
+    assert result[0]["rows"] == ev.rows([fit.pair_of(fit.base_docs())])[0]  # 0, 0 = the files as they are
+    assert result[1]["rows"] != result[0]["rows"]
+    for r in result:
+        *parts, total = r["degraded_gap"]
+        assert sum(p["contribution"] for p in parts) == pytest.approx(total["contribution"], abs=1e-12)
+    assert "Latent difficulty on both models" in capsys.readouterr().out

@@ -35,7 +35,7 @@ from meshheal_jax import draws as D
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index  # noqa: F401 (re-exported for the methods)
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
-from meshheal_jax.streams import HealthSchedule, Stream
+from meshheal_jax.streams import DIFFICULTY_BINS, HealthSchedule, Stream
 from meshheal_jax.topology import Network, Profile
 
 jax.config.update("jax_enable_x64", True)
@@ -209,6 +209,7 @@ class World:
     adjacency: jax.Array  # (N, N) bool
     hop_distance: jax.Array  # (N, A) int32 hops to the nearest holder (static graph), INF if none
     task_type: jax.Array  # (n_tasks,) int32
+    difficulty: jax.Array  # (n_tasks,) int32 difficulty bin of each task's question [backend only]
     true_pair: jax.Array  # (T,) int32 documented pair of each task type
     pair_abilities: jax.Array  # (P, A) bool, P padded to T
     pair_valid: jax.Array  # (P,) bool
@@ -223,13 +224,13 @@ class Emu:
     """The pair's emulator parameters; axis 0 of every (2, ...) field is (strong, weak)."""
 
     p_infer: jax.Array  # (2,)
-    p_part: jax.Array  # (2, T)
+    p_part: jax.Array  # (2, T, DIFFICULTY_BINS)
     p_rescue: jax.Array  # (2,)
     p_decide: jax.Array  # (2,)
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], 4 anchors)
+    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], DIFFICULTY_BINS, 4 anchors)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
     prompt: jax.Array  # (2, len(KINDS)) int32 template tokens
@@ -262,6 +263,7 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> Wo
         holds=jnp.asarray(network.holds), adjacency=jnp.asarray(network.adjacency),
         hop_distance=jnp.asarray(hop_distances(network.holds, network.adjacency)),
         task_type=jnp.asarray(stream.task_type, dtype=jnp.int32), true_pair=jnp.asarray(true_pair),
+        difficulty=jnp.asarray(stream.difficulty, dtype=jnp.int32),
         pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(profile.pairs),
         type_abilities=jnp.asarray(pair_abilities[true_pair]),
         degraded=jnp.asarray(schedule.degraded_matrix()),
@@ -274,11 +276,11 @@ def make_emu(pair: Pair, profile: Profile) -> Emu:
     if pair.strong.n_distractors != pair.weak.n_distractors:
         raise MeshHealError("both models of a pair must have the same n_distractors")
     f = lambda x: jnp.asarray(x, dtype=jnp.float64)
-    thr = np.zeros((2, 2, 2, 4))
+    thr = np.zeros((2, 2, 2, DIFFICULTY_BINS, 4))
     for r, m in enumerate(models):
         for a, author in enumerate(("strong_author", "weak_author")):
             for c in (0, 1):
-                thr[r, a, c] = m.review_thresholds(author, bool(c))
+                thr[r, a, c] = m.review_cumulative[(author, bool(c))]
     return Emu(
         p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
         p_rescue=f([m.p_rescue for m in models]), p_decide=f([m.p_decide for m in models]),
@@ -337,9 +339,11 @@ def distractor(emu: Emu, role, u):
     return 1 + categorical(u, emu.distractor_thr[role])
 
 
-def review_score(emu: Emu, reviewer_role, author_role, correct, u):
-    """One review sample on the anchors (reviewer model, author model, judged output correct?)."""
-    thresholds = emu.review_thr[reviewer_role, author_role, jnp.asarray(correct).astype(jnp.int32)]
+def review_score(emu: Emu, world: World, t, reviewer_role, author_role, correct, u):
+    """One review sample on the anchors (reviewer model, author model, judged output correct?,
+    task t's question difficulty)."""
+    correct = jnp.asarray(correct).astype(jnp.int32)
+    thresholds = emu.review_thr[reviewer_role, author_role, correct, world.difficulty[t - 1]]
     return jnp.asarray(ANCHORS)[categorical(u, thresholds)]
 
 
@@ -451,9 +455,10 @@ def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, final
                      draft_tokens, u, visit, valid=True, kind=K_GENERATE) -> tuple[Generation, Call]:  # fmt: skip
     """A Contribute part or a Finalize answer (decisions E4, E6, E7)."""
     role = role_of(world, agent, ability, t)
-    part_ok = u[D.U_MAIN] < emu.p_part[role, task_type]
+    q = world.difficulty[t - 1]  # the question's difficulty bin
+    part_ok = u[D.U_MAIN] < emu.p_part[role, task_type, q]
     answer_ok = jnp.where(
-        pair_ok, part_ok & (draft_ok | (u[D.U_AUX] < emu.p_rescue[role])), u[D.U_AUX] < emu.p_part[WEAK, task_type]
+        pair_ok, part_ok & (draft_ok | (u[D.U_AUX] < emu.p_rescue[role])), u[D.U_AUX] < emu.p_part[WEAK, task_type, q]
     )  # fmt: skip
     answer_ok = answer_ok & finalize
     answer_id = jnp.where(finalize, jnp.where(answer_ok, 0, distractor(emu, role, u[D.U_DISTRACTOR])), -1)

@@ -111,7 +111,7 @@ def task_step(params: RAPSParams, emu: C.Emu, world: C.World, state: RAPSState, 
         else:
             role = C.role_of(world, receiver, s, t)
         u = d.calls[path.out_visit, D.REVIEW_SAMPLES[0]]
-        score = C.review_score(emu, role, path.out_role, path.out_ok, u[D.U_MAIN])
+        score = C.review_score(emu, world, t, role, path.out_role, path.out_ok, u[D.U_MAIN])
         bad = watchdog_verdict(params, score)
         mstate = beta_update(params, mstate, receiver, jnp.maximum(author, 0), bad)
         prompt = emu.prompt[role, C.K_WATCHDOG] + emu.question_tokens + path.out_context + path.out_tokens

@@ -157,9 +157,9 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
         else:
             judge_self = C.role_of(world, f, s_f, t)
             judge = C.role_of(world, f[:, None], jnp.maximum(s_o, 0), t)
-        anchor = C.review_score(emu, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
+        anchor = C.review_score(emu, world, t, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
         valid = answered[:, None] & answered[others]
-        scores = C.review_score(emu, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
+        scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
         dropped = filter_answers(params.max_filtered, scores, anchor, valid)
         retained = valid & ~dropped
         eval_completion = C.completion_tokens(emu, judge, C.K_EVALUATE, u_eval[..., D.U_TOKENS])
