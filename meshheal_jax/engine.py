@@ -135,9 +135,16 @@ class World:
     dataset_id: jax.Array  # () int32
 
 
+def on_device(x, dtype) -> jax.Array:
+    """A host value as a device array, converted by numpy and copied by device_put: jnp.asarray
+    compiles a small XLA program per shape (JAX 0.10: ~20 ms each, about a second per run when
+    the compilation cache is off)."""
+    return jax.device_put(np.asarray(x, dtype=dtype))
+
+
 def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) -> Params:
-    f = functools.partial(jnp.asarray, dtype=jnp.float64)
-    i = functools.partial(jnp.asarray, dtype=jnp.int32)
+    f = functools.partial(on_device, dtype=np.float64)
+    i = functools.partial(on_device, dtype=np.int32)
     models = (pair.strong, pair.weak)
 
     def thr(kind: str) -> np.ndarray:
@@ -186,14 +193,12 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule, k_max
     until = np.zeros(network.n_agents, np.int32)
     for agent, first, end in schedule.intervals:
         start[agent], until[agent] = first, end
+    i = functools.partial(on_device, dtype=np.int32)
     return World(
-        holds=jnp.asarray(network.holds), nbr=jnp.asarray(table, dtype=jnp.int32),
-        task_type=jnp.asarray(stream.task_type, dtype=jnp.int32),
-        difficulty=jnp.asarray(stream.difficulty, dtype=jnp.int32),
-        true_pair=jnp.asarray([profile.pair_index(ty) for ty in range(len(profile.task_types))], dtype=jnp.int32),
-        pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(pairs),
-        degraded_from=jnp.asarray(start), degraded_until=jnp.asarray(until),
-        seed=jnp.int32(stream.seed), dataset_id=jnp.int32(stream.dataset_id),
+        holds=on_device(network.holds, bool), nbr=i(table), task_type=i(stream.task_type), difficulty=i(stream.difficulty),
+        true_pair=i([profile.pair_index(ty) for ty in range(len(profile.task_types))]),
+        pair_abilities=on_device(pair_abilities, bool), pair_valid=on_device(np.arange(n_types) < len(pairs), bool),
+        degraded_from=i(start), degraded_until=i(until), seed=i(stream.seed), dataset_id=i(stream.dataset_id),
     )  # fmt: skip
 
 
@@ -403,6 +408,25 @@ ROUTE = 9  # internal phase: at an agent, deciding what to do (no model call yet
 
 def at(tree, i):
     return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
+def where_tree(pred, a, b):
+    """jnp.where(pred, a, b) over two pytrees of one structure. A leaf that is the same object in
+    both (a field neither side changed) passes through untraced: a slot has ~60 fields and a
+    branch changes a few, so this keeps the traced program (and its compile time) small."""
+    return jax.tree_util.tree_map(lambda x, y: x if x is y else jnp.where(pred, x, y), a, b)
+
+
+def select_phase(phase, base, table: dict):
+    """table[phase] if phase is one of its keys, else base, field by field: each candidate
+    contributes a select only for the fields it changed (same rule as where_tree)."""
+    flat, treedef = jax.tree_util.tree_flatten(base)
+    out = list(flat)
+    for key, candidate in table.items():
+        for k, (leaf, original) in enumerate(zip(treedef.flatten_up_to(candidate), flat)):
+            if leaf is not original:
+                out[k] = jnp.where(phase == key, leaf, out[k])
+    return treedef.unflatten(out)
 
 
 def put(tree, i, one):
@@ -732,7 +756,7 @@ def _move(p: Params, slot: Slots, to, action) -> Slots:
     moved = _log_action(dataclasses.replace(
         slot, moves=slot.moves + 1, since=slot.since + 1, agent=to,
         route=slot.route.at[slot.route_len].set(to), route_len=slot.route_len + 1), action)  # fmt: skip
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(over, a, b), _finish(slot, False, 1), moved)
+    return where_tree(over, _finish(slot, False, 1), moved)
 
 
 def _next_hop(p: Params, world: World, net: Net, slot: Slots, missing, u_route, action) -> Slots:
@@ -742,8 +766,7 @@ def _next_hop(p: Params, world: World, net: Net, slot: Slots, missing, u_route, 
     nb, valid, nbc = neighbours_of(world, i)
     j = pick_neighbour(u_route[D.HOP_TIE], nb, valid & (net.distance[nbc, s] == d - 1))
     unreachable = d >= INF
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(unreachable, a, b),
-                                  _finish(slot, False, 2), _move(p, slot, j, action))  # fmt: skip
+    return where_tree(unreachable, _finish(slot, False, 2), _move(p, slot, j, action))
 
 
 def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
@@ -771,10 +794,8 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     work_slot = dataclasses.replace(slot, phase=jnp.int32(GENERATE), ability=jnp.argmax(held).astype(jnp.int32),
                                     finalize=jnp.all(held == missing))  # fmt: skip
 
-    def choose(hop, probe, work):  # probing excludes a relay; handoff excludes both
-        return jnp.where(probing, probe, jnp.where(isolated_relay | handoff, hop, work))
-
-    new_slot = jax.tree_util.tree_map(choose, hop_slot, probe_slot, work_slot)
+    # probing excludes a relay; a handoff excludes both
+    new_slot = where_tree(probing, probe_slot, where_tree(isolated_relay | handoff, hop_slot, work_slot))
     return jnp.where(probing, j, -1).astype(jnp.int32), new_slot
 
 
@@ -787,7 +808,7 @@ def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         j, stepped = _route_step(p, world, net, slot, t, draws_t)
         active = slot.phase == ROUTE
         probed = jnp.where(active & (j >= 0), j, probed)
-        return n + 1, probed, jax.tree_util.tree_map(lambda a, b: jnp.where(active, a, b), stepped, slot)
+        return n + 1, probed, where_tree(active, stepped, slot)
 
     def more(carry):
         n, _, slot = carry
@@ -821,9 +842,8 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         nb, valid, nbc = neighbours_of(world, i)
         j = pick_neighbour(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE], nb,
                            valid & (net.distance[nbc, column] == d - 1))  # fmt: skip
-        moved = jax.tree_util.tree_map(lambda a, b: jnp.where(d >= INF, a, b),
-                                       _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))  # fmt: skip
-        return n + 1, jax.tree_util.tree_map(lambda a, b: jnp.where(relay, a, b), moved, slot)
+        moved = where_tree(d >= INF, _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))
+        return n + 1, where_tree(relay, moved, slot)
 
     def more(carry):
         n, slot = carry
@@ -899,8 +919,8 @@ def _role(world: World, agent, ability, t):
     return jnp.where(is_degraded(world, agent, t) | ~held, WEAK, STRONG).astype(jnp.int32)
 
 
-def _completion(p: Params, role, kind, u):
-    lo, hi = p.completion[role, kind, 0], p.completion[role, kind, 1]
+def _completion(p: Params, role, kind: int, u):
+    lo, hi = (jnp.where(role == STRONG, p.completion[STRONG, kind, k], p.completion[WEAK, kind, k]) for k in (0, 1))
     return jnp.minimum(lo + jnp.floor(u * (hi - lo + 1).astype(jnp.float64)).astype(jnp.int32), hi)
 
 
@@ -916,6 +936,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     """One slot's calls. u_calls: (N_CALL_SLOTS, N_CALL_U) of the visit; returns (backend, response)."""
     t, ty, author, s = r.t, r.task_type, r.author, r.ability
     q = world.difficulty[jnp.maximum(t - 1, 0)]  # the question's difficulty bin
+    roles = _role(world, r.agent, s, t)  # (3,) the reviewers' / committee members' models, once
     fold = (r.phase == GENERATE) & b.pending  # the previous Contribute's output joins the draft
     b = dataclasses.replace(b, draft_ok=jnp.where(fold, b.draft_ok & b.result_ok, b.draft_ok),
                             draft_tokens=jnp.where(fold, b.draft_tokens + b.result_tokens, b.draft_tokens),
@@ -959,8 +980,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
 
     # review samples (3) / committee rounds (2)
     def sample(kind, k, thr_table, repeat_of, use_repeat, p_repeat):
-        agent = r.agent[k]
-        role = _role(world, agent, s, t)
+        role = roles[k]
         u = u_calls[kind_slot(kind, k)]
         drawn = jnp.asarray(ANCHORS)[categorical(u[D.U_MAIN], thr_table[role, b.part_role, b.part_ok.astype(jnp.int32), q])]
         score = jnp.where(use_repeat & (u[D.U_AUX] < p_repeat[role]), repeat_of, drawn)
@@ -974,7 +994,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     s0, c0, _ = sample(K_REVIEW, 0, p.review_thr, 0.0, False, p.rho_same)
     s1, c1, _ = sample(K_REVIEW, 1, p.review_thr, s0, True, p.rho_same)
     s2, c2, _ = sample(K_REVIEW, 2, p.review_thr, s0, True, p.rho_same)
-    role_r = _role(world, r.agent[0], s, t)
+    role_r = roles[0]
     rev_out = dict(out, score=jnp.stack([s0, s1, s2]), role=jnp.full(3, role_r), truth=judged_truth,
                    prompt=jnp.full(3, p.prompt[role_r, K_REVIEW] + judged, jnp.int32), completion=jnp.stack([c0, c1, c2]))  # fmt: skip
 
@@ -993,7 +1013,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
 
     # takeover: candidates, then synthesis by member A
     def candidate(k):
-        role = _role(world, r.agent[k], s, t)
+        role = roles[k]
         comp = _completion(p, role, K_CANDIDATE, u_calls[D.CANDIDATES[k], D.U_TOKENS])
         return p.prompt[role, K_CANDIDATE] + judged, comp, _visible(p, role, comp), role
 
@@ -1003,7 +1023,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     cand_b = dataclasses.replace(b, candidate_tokens=va + vb)
 
     us = u_calls[D.SYNTHESIS]
-    role_s = _role(world, r.agent[0], s, t)
+    role_s = roles[0]
     original_ok = jnp.where(r.finalize, b.answer_ok, b.part_ok)
     synth_ok = us[D.U_MAIN] < jnp.where(original_ok, p.p_keep[role_s], p.p_fix[role_s])
     comp_s = _completion(p, role_s, K_SYNTHESIS, us[D.U_TOKENS])
@@ -1017,11 +1037,8 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     branches = {INFER: (infer_b, infer_out), GENERATE: (gen_b, gen_out), REVIEW: (b, rev_out),
                 ROUND1: (r1_b, r1_out), ROUND2: (b, r2_out), CANDIDATES: (cand_b, cand_out),
                 SYNTH: (synth_b, synth_out)}  # fmt: skip
-    new_b, resp = b, out
-    for phase, (bb, oo) in branches.items():
-        hit = r.phase == phase
-        new_b = jax.tree_util.tree_map(lambda x, y: jnp.where(hit, x, y), bb, new_b)
-        resp = jax.tree_util.tree_map(lambda x, y: jnp.where(hit, x, y), oo, resp)
+    new_b = select_phase(r.phase, b, {ph: bb for ph, (bb, _) in branches.items()})
+    resp = select_phase(r.phase, out, {ph: oo for ph, (_, oo) in branches.items()})
     mask = r.mask
     return new_b, Responses(
         score=resp["score"], pair=resp["pair"], answer_id=resp["answer_id"],
@@ -1130,9 +1147,7 @@ def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Sl
 
     table = {INFER: after_infer, GENERATE: after_gen, REVIEW: after_review, ROUND1: after_r1,
              ROUND2: after_r2, CANDIDATES: after_cand, SYNTH: after_synth}  # fmt: skip
-    new = slot
-    for ph, candidate in table.items():
-        new = jax.tree_util.tree_map(lambda c, o: jnp.where(phase == ph, c, o), candidate, new)
+    new = select_phase(phase, slot, table)
 
     evidence = ((phase == REVIEW) & ~committee) | ((phase == ROUND2) & ~low) | (phase == SYNTH)
     accepted = evidence | ((phase == GENERATE) & no_reviewer)
@@ -1159,8 +1174,7 @@ def absorb_route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slo
     missing = world.pair_abilities[contributed.pair] & ~covered
     handed = _next_hop(p, world, net, contributed, missing, u_route, A_HANDOFF)
     handed = dataclasses.replace(handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32))
-    post = jax.tree_util.tree_map(lambda f, h: jnp.where(slot.finalize, f, h), finished, handed)
-    new = jax.tree_util.tree_map(lambda a_, b_: jnp.where(accepted, a_, b_), post, new)
+    new = where_tree(accepted, where_tree(slot.finalize, finished, handed), new)
     return _route(cfg, p, world, net, new, t, draws_t)
 
 
@@ -1341,14 +1355,15 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
 
 
-@functools.partial(jax.jit, static_argnums=0, compiler_options=COMPILER_OPTIONS)
+# Run once per stream batch, so its speed does not matter: XLA's fastest compile (level 0).
+@functools.partial(jax.jit, static_argnums=0, compiler_options={"xla_backend_optimization_level": 0})
 def initial_carries(cfg: EngineConfig, worlds: World) -> Carry:
     return jax.vmap(lambda w: initial_carry(cfg, w))(worlds)
 
 
 def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
     """(streams,) bool: every task entered and every slot idle."""
-    return np.asarray((carry.next_t > cfg.n_tasks) & jnp.all(carry.slots.phase == IDLE, axis=-1))
+    return (np.asarray(carry.next_t) > cfg.n_tasks) & np.all(np.asarray(carry.slots.phase) == IDLE, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1357,7 +1372,9 @@ def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
 
 
 def stack(trees):
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+    """Stack pytrees along a new leading axis, on the host (see on_device: an eager jnp.stack
+    compiles one small XLA program per leaf shape)."""
+    return jax.tree_util.tree_map(lambda *xs: jax.device_put(np.stack([np.asarray(x) for x in xs])), *trees)
 
 
 @dataclasses.dataclass
