@@ -17,7 +17,8 @@ Behaviour, all of it tested against a scripted stand-in server (tests/test_live.
 - One long-lived `openai.AsyncOpenAI` per base URL, several base URLs per role taken in turn
   (round-robin per HTTP attempt), an `asyncio.Semaphore` per server capping requests in
   flight, and an HTTP connection pool larger than the semaphore (a default pool would silently
-  cap concurrency).
+  cap concurrency). The SDK's aiohttp transport where `openai[aiohttp]` is installed, else its
+  httpx one.
 - Retries with jittered exponential backoff on connection errors and timeouts, 429 (honouring
   Retry-After) and 5xx only, at most `RetryPolicy.max_retries` times; any other status fails at
   once (`RequestRejectedError`). A server that stays down raises `ServerUnavailableError` once
@@ -278,8 +279,20 @@ def _http_library(client_or_class: Any):
 
 
 def _http_client(openai_module, connections: int, retry: RetryPolicy):
-    """The SDK's own async HTTP client class with a pool of `connections` and our timeouts."""
-    client_cls = openai_module.DefaultAsyncHttpxClient
+    """The SDK's own async HTTP client with a pool of `connections` and our timeouts: its aiohttp
+    transport (`openai.DefaultAioHttpClient`, installed with `openai[aiohttp]`) where available, else
+    its httpx client. aiohttp's connector hands out a pooled connection in O(1); the httpx pool
+    walks every connection on each request and release (benchmarks/README.md, section b)."""
+    aiohttp_cls = _aiohttp_client_class(openai_module)
+    if aiohttp_cls is not None:
+        try:
+            return _pooled(aiohttp_cls, connections, retry)
+        except RuntimeError:  # the SDK's placeholder class: its aiohttp adapter could not be imported
+            _AIOHTTP_CLIENTS[openai_module] = None
+    return _pooled(openai_module.DefaultAsyncHttpxClient, connections, retry)
+
+
+def _pooled(client_cls: Any, connections: int, retry: RetryPolicy) -> Any:
     lib = _http_library(client_cls)
     return client_cls(
         limits=lib.Limits(max_connections=connections, max_keepalive_connections=connections),
@@ -287,12 +300,66 @@ def _http_client(openai_module, connections: int, retry: RetryPolicy):
     )
 
 
+_AIOHTTP_CLIENTS: dict[Any, Any] = {}  # openai module -> its aiohttp client class (None: unavailable)
+
+
+def _aiohttp_client_class(openai_module) -> Any:
+    """`openai.DefaultAioHttpClient` with connection errors classified as httpx classifies them,
+    or None where the SDK has no aiohttp transport or aiohttp is not installed.
+
+    The SDK's aiohttp adapter maps every `aiohttp.ClientConnectionError` (refused connection,
+    server disconnected) to `ConnectTimeout`, so the SDK would report a server that is down as
+    "APITimeoutError: Request timed out."; here only real timeouts stay timeouts, a failed connect
+    is `ConnectError` and a dropped connection `ReadError` (the SDK's APIConnectionError, as
+    with httpx)."""
+    if openai_module in _AIOHTTP_CLIENTS:
+        return _AIOHTTP_CLIENTS[openai_module]
+    base = getattr(openai_module, "DefaultAioHttpClient", None)
+    try:
+        aiohttp = importlib.import_module("aiohttp")
+        lib = _http_library(base) if isinstance(base, type) else None
+    except (ImportError, MeshHealError):
+        lib = None
+    if lib is None:
+        _AIOHTTP_CLIENTS[openai_module] = None
+        return None
+
+    class _Transport(lib.AsyncBaseTransport):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: Any) -> Any:
+            try:
+                return await self.inner.handle_async_request(request)
+            except lib.ConnectTimeout as err:
+                cause = err.__cause__
+                if not isinstance(cause, aiohttp.ClientConnectionError) or isinstance(cause, TimeoutError):
+                    raise
+                kind = lib.ConnectError if isinstance(cause, aiohttp.ClientConnectorError) else lib.ReadError
+                raise kind(str(err), request=request) from cause
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    class AioHttpClient(base):
+        def _init_transport(self, *args: Any, **kwargs: Any) -> Any:
+            return _Transport(super()._init_transport(*args, **kwargs))
+
+        def _init_proxy_transport(self, *args: Any, **kwargs: Any) -> Any:
+            return _Transport(super()._init_proxy_transport(*args, **kwargs))
+
+    _AIOHTTP_CLIENTS[openai_module] = AioHttpClient
+    return AioHttpClient
+
+
 @dataclasses.dataclass
 class _Server:
     """One base URL: its semaphore and several `openai.AsyncOpenAI` lanes (each with its own HTTP
-    pool of at most ~LANE_CONNECTIONS), taken in turn. The HTTP library walks every pooled
-    connection on each request and release, so one pool of 256+ connections costs ~2x the CPU
-    per call of eight pools of 32 (benchmarks/README.md, "Live throughput", section b)."""
+    pool of at most ~LANE_CONNECTIONS), taken in turn. The httpx pool walks every pooled
+    connection on each request and release, so there one pool of 256+ connections costs ~2x the
+    CPU per call of eight pools of 32; with the aiohttp transport the lane size makes no
+    measurable difference (16 to 256 alike), and lanes of 32 keep the httpx fallback cheap
+    (benchmarks/README.md, "Live throughput", section b)."""
 
     stats: ServerStats
     lanes: list[tuple[Any, Any]]  # (openai.AsyncOpenAI, its HTTP client)
@@ -621,11 +688,18 @@ class LiveClient:
     async def _post(self, request: CallRequest, params: Mapping[str, Any]) -> tuple[dict, int]:
         openai = self._openai
         group = self.groups[request.role]
-        wire: dict[str, Any] = {
-            key: value for key, value in params.items() if value is not None and key != "reasoning_effort"
-        }
-        if params.get("reasoning_effort"):
-            wire["extra_body"] = {"reasoning_effort": params["reasoning_effort"]}
+        # Every parameter but the served name is plain JSON already: they go in `extra_body`, which
+        # the SDK merges into the body as is, instead of as typed arguments through its per-request
+        # transform (a type-directed walk of every message and of the review schema: about 1.3 ms
+        # of CPU per call, a third of the client's; benchmarks/README.md, section b). `messages=[]`
+        # only satisfies the SDK's check of required arguments; `plain` is in the SDK's own key
+        # order, so the body on the wire is byte for byte the one the typed arguments give.
+        plain: dict[str, Any] = {"messages": list(request.messages)}
+        for key in (*_SDK_BODY_ORDER, *params):
+            if key not in plain and key != "reasoning_effort" and params.get(key) is not None:
+                plain[key] = params[key]
+        if params.get("reasoning_effort"):  # last, as it always went (in `extra_body`)
+            plain["reasoning_effort"] = params["reasoning_effort"]
         last_error = ""
         tried: list[str] = []
         for attempt in range(self.retry.max_retries + 1):
@@ -639,7 +713,7 @@ class LiveClient:
                 started = time.monotonic()
                 try:
                     completion = await server.next_client().chat.completions.create(
-                        model=group.served_name, messages=list(request.messages), **wire
+                        model=group.served_name, messages=[], extra_body=plain
                     )
                 except openai.RateLimitError as err:
                     retry_after = _retry_after_s(err.response)
@@ -671,6 +745,8 @@ class LiveClient:
 
 
 _MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
+# the order in which the SDK's `chat.completions.create` lays out these body fields (after model, messages)
+_SDK_BODY_ORDER = ("max_completion_tokens", "n", "response_format", "seed", "temperature", "top_p")
 
 
 def _short(err: BaseException, limit: int = 300) -> str:
