@@ -5,29 +5,31 @@ and the baselines reading the same tables."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import tomllib
 
 import jax.numpy as jnp
 import numpy as np
 import polars as pl
 import pytest
+from test_engine import assert_equal_to_reference  # the differential check, record by record
 
-from meshheal_jax import engine, metrics
 from meshheal_jax import draws as D
+from meshheal_jax import engine, metrics
 from meshheal_jax.baselines import common as C
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import ANCHORS, DIFFICULTY_Z, Pair, dump_model, load_pair, parse_model
 from meshheal_jax.streams import DIFFICULTY_BINS, difficulty_bins, make_stream, persistent_schedule
 from meshheal_jax.topology import build_network, load_profile
 
-from test_engine import assert_equal_to_reference  # the differential check, record by record
-
 PAIR = load_pair("default")
 
 
 def with_difficulty(pair: Pair, spread: float, tilt: float) -> Pair:
     def one(m):
-        return dataclasses.replace(m, scalars={**m.scalars, "difficulty_spread": spread, "review_difficulty": tilt})
+        return dataclasses.replace(
+            m, scalars={**m.scalars, "difficulty_spread": spread, "review_difficulty": tilt}
+        )
 
     return Pair(pair.name, one(pair.strong), one(pair.weak))
 
@@ -63,7 +65,11 @@ def test_bins_depend_on_seed_dataset_and_type_and_are_roughly_uniform():
     q = np.arange(4000, dtype=np.int32)
     zeros = np.zeros_like(q)
     base = difficulty_bins(0, 0, zeros, q)
-    for other in (difficulty_bins(1, 0, zeros, q), difficulty_bins(0, 1, zeros, q), difficulty_bins(0, 0, zeros + 1, q)):
+    for other in (
+        difficulty_bins(1, 0, zeros, q),
+        difficulty_bins(0, 1, zeros, q),
+        difficulty_bins(0, 0, zeros + 1, q),
+    ):
         assert (other != base).mean() > 0.8  # independent bins agree 1/8 of the time
     share = np.bincount(base, minlength=DIFFICULTY_BINS) / q.size
     assert base.min() == 0 and base.max() == DIFFICULTY_BINS - 1
@@ -77,7 +83,9 @@ def test_bins_depend_on_seed_dataset_and_type_and_are_roughly_uniform():
 def test_neutral_default_leaves_every_probability_bit_for_bit():
     profile = load_profile("math")
     for m in (PAIR.strong, PAIR.weak):
-        assert m.difficulty_spread == 0.0 and m.review_difficulty == 0.0  # the shipped files: independent draws
+        assert (
+            m.difficulty_spread == 0.0 and m.review_difficulty == 0.0
+        )  # the shipped files: independent draws
         for row, base in zip(m.p_part_for(profile), m.p_part_base(profile)):
             assert row == (base,) * DIFFICULTY_BINS
         for key, probabilities in m.review.items():
@@ -88,7 +96,7 @@ def test_harder_questions_lower_p_part_and_blur_reviews():
     profile = load_profile("bbh")
     for m in (HARD.strong, HARD.weak):
         for row, base in zip(m.p_part_for(profile), m.p_part_base(profile)):
-            assert all(a > b for a, b in zip(row, row[1:])), row  # bins in increasing difficulty
+            assert all(a > b for a, b in itertools.pairwise(row)), row  # bins in increasing difficulty
             assert row[0] > base > row[-1]
         for (role, correct), cumulative in m.review_cumulative.items():
             mean_score = [float(np.dot(np.diff(np.concatenate([[0.0], c])), ANCHORS)) for c in cumulative]
