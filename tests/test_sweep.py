@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import polars as pl
+import numpy as np
 import pytest
 
 from meshheal_jax import engine, runner, sweep
@@ -141,6 +142,19 @@ def test_emulator_scalar_reaches_the_parameters():
     assert [float(p.p_rescue[1]) for p in params] == [0.1, 0.3]
     sweep.check_effect(grid, batch, params)  # no error: the engine reads it
     assert points[0].pair.strong == points[1].pair.strong and points[1].pair.weak.p_rescue == 0.3
+
+
+def test_question_difficulty_is_sweepable_and_reaches_the_parameters():
+    grid = sweep.parse_grid(["strong.difficulty_spread=0,1.5"])
+    points = sweep.grid_points(grid, ProtocolParams(), load_pair("default"))
+    exp = runner.Experiment(name="sweep", datasets=("bbh",), pairs=("default",), seeds=(0,), n_tasks=42)
+    batch = sweep.build_batch(exp, points)
+    params = sweep.stream_params(batch)
+    flat, spread = (np.asarray(p.p_part[0, 0]) for p in params)  # the strong model, first task type, per bin
+    assert np.all(flat == flat[0]) and np.all(np.diff(spread) < 0)  # 0: every bin alike; 1.5: harder bins lower
+    sweep.check_effect(grid, batch, params)
+    with pytest.raises(MeshHealError, match="weak.review_difficulty must be >= 0"):
+        sweep.grid_points(sweep.parse_grid(["weak.review_difficulty=-1,1"]), ProtocolParams(), load_pair("default"))
 
 
 def test_static_parameter_exits_2_naming_the_static_ones(tmp_path):
