@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-import polars as pl
 import numpy as np
+import polars as pl
 import pytest
 
 from meshheal_jax import engine, runner, sweep
