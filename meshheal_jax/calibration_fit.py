@@ -11,6 +11,9 @@ of calibration_report.TARGETS:
 
 (the second term pulls every primary target well inside its tolerance, so that it survives the
 report's other seeds). Outcomes (detection delays, false isolations) are never in the loss.
+Each model's latent question difficulty (`difficulty_spread`, `review_difficulty`; decisions E9)
+is searched too, as plain values clipped at 0; `--scan-spread/--scan-review` evaluates a grid of
+them on the shipped files instead of searching.
 
 The search is a separable natural evolution strategy (SNES, Schaul et al. 2011): a Gaussian
 with a mean and one step size per coordinate; each generation draws `population` candidates
