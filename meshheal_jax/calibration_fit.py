@@ -39,7 +39,14 @@ import numpy as np
 import polars as pl
 
 from meshheal_jax import runner
-from meshheal_jax.calibration_report import GAP_PARTS, degraded_gap, evaluate, print_report, seed_context
+from meshheal_jax.calibration_report import (
+    GAP_PARTS,
+    _num,
+    degraded_gap,
+    evaluate,
+    print_report,
+    seed_context,
+)
 from meshheal_jax.cli import entrypoint, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
@@ -363,10 +370,6 @@ def scale_tokens(docs: dict[str, dict], rows: list[dict], evaluator: Evaluator, 
     return docs, rows
 
 
-def _num(x: float | None, spec: str = ".3f") -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def scan_difficulty(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
     """The pair's files with the latent-difficulty parameters set on both models, grid by grid:
     accuracy per phase, primary targets met, loss, and where the degraded phase's accuracy goes."""
@@ -391,8 +394,9 @@ def scan_difficulty(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
         by_part = {g["part"]: g for g in gap}
         never, clean = by_part[GAP_PARTS[0]], by_part[GAP_PARTS[4]]
         h, d = value["accuracy, healthy phase, mean of 3 datasets"], value["accuracy, degraded phase, mean of 3 datasets"]
-        table.add_row(f"{spread:g}", f"{review:g}", _num(h), _num(d), _num(d - h, "+.3f"),
-                      f"{_num(value['MATH accuracy, healthy phase'])} → {_num(value['MATH accuracy, degraded phase'])}",
+        table.add_row(f"{spread:g}", f"{review:g}", _num(h, False), _num(d, False), f"{d - h:+.3f}",
+                      f"{_num(value['MATH accuracy, healthy phase'], False)} → "
+                      f"{_num(value['MATH accuracy, degraded phase'], False)}",
                       f"{sum(x['pass'] for x in primary)}/{len(primary)}", f"{loss(r):.1f}",
                       f"{never['share']:.3f}, {never['contribution']:+.4f}", f"{clean['contribution']:+.4f}")  # fmt: skip
         out.append({"difficulty_spread": spread, "review_difficulty": review, "rows": r, "degraded_gap": gap})

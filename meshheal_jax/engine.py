@@ -27,8 +27,8 @@ from meshheal_jax.config import ProtocolParams
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import SCHEMAS
-from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
-from meshheal_jax.streams import DIFFICULTY_BINS, HealthSchedule, Stream
+from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair, threshold_table
+from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network
 
 jax.config.update("jax_enable_x64", True)
@@ -147,15 +147,6 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
     i = functools.partial(on_device, dtype=np.int32)
     models = (pair.strong, pair.weak)
 
-    def thr(kind: str) -> np.ndarray:
-        out = np.zeros((2, 2, 2, DIFFICULTY_BINS, 4))
-        for r, m in enumerate(models):
-            for a, role in enumerate(("strong_author", "weak_author")):
-                for c in (0, 1):
-                    table = m.review_cumulative if kind == "review" else m.round2_cumulative
-                    out[r, a, c] = table[(role, bool(c))]
-        return out
-
     if pair.strong.n_distractors != pair.weak.n_distractors:
         raise MeshHealError("both models of a pair must have the same n_distractors")
     return Params(
@@ -170,7 +161,7 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
         p_rescue=f([m.p_rescue for m in models]), rho_same=f([m.rho_same for m in models]),
         p_follow=f([m.p_follow for m in models]), p_fix=f([m.p_fix for m in models]),
         p_keep=f([m.p_keep for m in models]), answer_fraction=f([m.answer_fraction for m in models]),
-        review_thr=f(thr("review")), round2_thr=f(thr("round2")),
+        review_thr=f(threshold_table(pair, "review")), round2_thr=f(threshold_table(pair, "round2")),
         distractor_thr=f([m.distractor_thresholds() for m in models]),
         completion=i([[m.completion_tokens[k] for k in CALL_KINDS] for m in models]),
         prompt=i([[m.prompt_tokens[k] for k in CALL_KINDS] for m in models]),

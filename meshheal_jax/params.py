@@ -12,6 +12,8 @@ import tomllib
 from pathlib import Path
 from statistics import NormalDist
 
+import numpy as np
+
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.streams import DIFFICULTY_BINS
 from meshheal_jax.topology import Profile
@@ -210,6 +212,19 @@ class Pair:
     name: str
     strong: ModelParams
     weak: ModelParams
+
+
+def threshold_table(pair: Pair, section: str) -> np.ndarray:
+    """A pair's cumulative review ("review") or round-2 ("round2") thresholds as the array both
+    JAX engines read: (reviewer model [strong, weak], author role, judged part [wrong, correct],
+    DIFFICULTY_BINS, anchors)."""
+    out = np.zeros((2, len(AUTHOR_ROLES), 2, DIFFICULTY_BINS, len(ANCHORS)))
+    for r, m in enumerate((pair.strong, pair.weak)):
+        table = m.review_cumulative if section == "review" else m.round2_cumulative
+        for a, role in enumerate(AUTHOR_ROLES):
+            for c in (0, 1):
+                out[r, a, c] = table[(role, bool(c))]
+    return out
 
 
 def load_pair(name: str, model_dir: Path | None = None) -> Pair:

@@ -133,23 +133,24 @@ def test_parse_grid_forms():
             sweep.parse_grid(bad)
 
 
-def test_emulator_scalar_reaches_the_parameters():
-    grid = sweep.parse_grid(["weak.p_rescue=0.1,0.3"])
+def swept_params(item: str):
+    """(grid, points, batch, per-stream parameters) of a one-parameter grid over a 42-task stream."""
+    grid = sweep.parse_grid([item])
     points = sweep.grid_points(grid, ProtocolParams(), load_pair("default"))
     exp = runner.Experiment(name="sweep", datasets=("bbh",), pairs=("default",), seeds=(0,), n_tasks=42)
     batch = sweep.build_batch(exp, points)
-    params = sweep.stream_params(batch)
+    return grid, points, batch, sweep.stream_params(batch)
+
+
+def test_emulator_scalar_reaches_the_parameters():
+    grid, points, batch, params = swept_params("weak.p_rescue=0.1,0.3")
     assert [float(p.p_rescue[1]) for p in params] == [0.1, 0.3]
     sweep.check_effect(grid, batch, params)  # no error: the engine reads it
     assert points[0].pair.strong == points[1].pair.strong and points[1].pair.weak.p_rescue == 0.3
 
 
 def test_question_difficulty_is_sweepable_and_reaches_the_parameters():
-    grid = sweep.parse_grid(["strong.difficulty_spread=0,1.5"])
-    points = sweep.grid_points(grid, ProtocolParams(), load_pair("default"))
-    exp = runner.Experiment(name="sweep", datasets=("bbh",), pairs=("default",), seeds=(0,), n_tasks=42)
-    batch = sweep.build_batch(exp, points)
-    params = sweep.stream_params(batch)
+    grid, _, batch, params = swept_params("strong.difficulty_spread=0,1.5")
     flat, spread = (np.asarray(p.p_part[0, 0]) for p in params)  # the strong model, first task type, per bin
     assert np.all(flat == flat[0]) and np.all(np.diff(spread) < 0)  # 0: every bin alike; 1.5: harder bins lower
     sweep.check_effect(grid, batch, params)

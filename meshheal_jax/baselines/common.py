@@ -34,8 +34,8 @@ import numpy as np
 from meshheal_jax import draws as D
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index  # noqa: F401 (re-exported for the methods)
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair
-from meshheal_jax.streams import DIFFICULTY_BINS, HealthSchedule, Stream
+from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair, threshold_table
+from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network, Profile
 
 jax.config.update("jax_enable_x64", True)
@@ -276,16 +276,11 @@ def make_emu(pair: Pair, profile: Profile) -> Emu:
     if pair.strong.n_distractors != pair.weak.n_distractors:
         raise MeshHealError("both models of a pair must have the same n_distractors")
     f = lambda x: jnp.asarray(x, dtype=jnp.float64)
-    thr = np.zeros((2, 2, 2, DIFFICULTY_BINS, 4))
-    for r, m in enumerate(models):
-        for a, author in enumerate(("strong_author", "weak_author")):
-            for c in (0, 1):
-                thr[r, a, c] = m.review_cumulative[(author, bool(c))]
     return Emu(
         p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
         p_rescue=f([m.p_rescue for m in models]), p_decide=f([m.p_decide for m in models]),
         p_fix=f([m.p_fix for m in models]), p_keep=f([m.p_keep for m in models]),
-        answer_fraction=f([m.answer_fraction for m in models]), review_thr=f(thr),
+        answer_fraction=f([m.answer_fraction for m in models]), review_thr=f(threshold_table(pair, "review")),
         distractor_thr=f([m.distractor_thresholds() for m in models]),
         completion=jnp.asarray([[m.completion_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], jnp.int32),
         prompt=jnp.asarray([[m.prompt_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], jnp.int32),
