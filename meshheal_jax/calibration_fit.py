@@ -12,8 +12,9 @@ of calibration_report.TARGETS:
 (the second term pulls every primary target well inside its tolerance, so that it survives the
 report's other seeds). Outcomes (detection delays, false isolations) are never in the loss.
 Each model's latent question difficulty (`difficulty_spread`, `review_difficulty`; decisions E9)
-is searched too, as plain values clipped at 0; `--scan-spread/--scan-review` evaluates a grid of
-them on the shipped files instead of searching.
+and its judgement of a Finalize on a wrong draft (`draft_blame`; E10) are searched too, as plain
+values clipped at 0 (and 1); `--scan-spread/--scan-review/--scan-blame` evaluates a grid of them
+on the shipped files instead of searching.
 
 The search is a separable natural evolution strategy (SNES, Schaul et al. 2011): a Gaussian
 with a mean and one step size per coordinate; each generation draws `population` candidates
@@ -50,7 +51,7 @@ from meshheal_jax.calibration_report import (
 from meshheal_jax.cli import entrypoint, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import ANCHORS, DIFFICULTY, MODEL_DIR, PAIRS, Pair, dump_model, parse_model
+from meshheal_jax.params import ANCHORS, DIFFICULTY, DRAFT_BLAME, MODEL_DIR, OPTIONAL, PAIRS, Pair, dump_model, parse_model
 
 DATASETS = ("bbh", "math", "mmlu_pro")
 # Which files each pair's fit changes (the other file of pairs A and B is the fitted default one).
@@ -63,16 +64,21 @@ FLOOR = 1e-3  # smallest probability a knob starts from (a logit of 0 or 1 is in
 @dataclasses.dataclass(frozen=True)
 class Knob:
     """One block of coordinates: a probability (1 coordinate, its logit), a categorical over the
-    anchors (3 coordinates: log-ratios of the first three anchors to the last) or a non-negative
-    number (1 coordinate, the value itself, clipped at 0: the difficulty parameters, whose neutral
-    value 0 the search must be able to reach exactly)."""
+    anchors (3 coordinates: log-ratios of the first three anchors to the last) or a clipped number
+    (1 coordinate, the value itself, clipped to `clip`: the optional structure parameters, whose
+    neutral value 0 the search must be able to reach exactly; difficulty >= 0, draft_blame in
+    [0, 1])."""
 
     model: str  # "strong" | "weak"
     path: tuple[
         str, ...
     ]  # keys into the model file, e.g. ("p_part", "bbh") or ("review", "weak_author", "wrong")
     categorical: bool = False
-    non_negative: bool = False
+    clip: tuple[float, float] | None = None
+
+    @property
+    def clipped(self) -> bool:
+        return self.clip is not None
 
     @property
     def size(self) -> int:
@@ -92,7 +98,8 @@ def _knobs() -> tuple[Knob, ...]:
         out += [
             Knob(model, (sec, role, label), True) for sec in sections for role in ROLES for label in LABELS
         ]
-        out += [Knob(model, (k,), non_negative=True) for k in DIFFICULTY]
+        out += [Knob(model, (k,), clip=(0.0, math.inf)) for k in DIFFICULTY]
+        out += [Knob(model, (DRAFT_BLAME,), clip=(0.0, 1.0))]
     return tuple(out)
 
 
@@ -110,8 +117,8 @@ def _logit(p: float) -> float:
 
 
 def _get(doc: dict, path: tuple[str, ...]):
-    if path[0] in DIFFICULTY:
-        return doc.get(path[0], 0.0)  # optional in a file: 0, the independent model
+    if path[0] in OPTIONAL:
+        return doc.get(path[0], 0.0)  # optional in a file: 0, the neutral structure
     value = doc
     for key in path:
         value = value[key]
@@ -133,7 +140,7 @@ def encode(docs: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS) -> np.ndarray
         if knob.categorical:
             p = np.maximum(np.asarray(value, float), FLOOR)
             x += list(np.log(p[:-1] / p[-1]))
-        elif knob.non_negative:
+        elif knob.clipped:
             x.append(float(value))
         else:
             x.append(_logit(float(value)))
@@ -153,8 +160,8 @@ def decode(x: np.ndarray, base: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS
             p = [round(float(v), 6) for v in w / w.sum()]
             p[-1] = round(1.0 - sum(p[:-1]), 6)
             _set(docs[knob.model], knob.path, p)
-        elif knob.non_negative:
-            _set(docs[knob.model], knob.path, round(max(float(z[0]), 0.0), 6))
+        elif knob.clipped:
+            _set(docs[knob.model], knob.path, round(min(max(float(z[0]), knob.clip[0]), knob.clip[1]), 6))
         else:
             _set(docs[knob.model], knob.path, round(1.0 / (1.0 + math.exp(-float(z[0]))), 6))
     return docs
@@ -246,10 +253,10 @@ class FitConfig:
     population: int = 24
     """candidates per generation (even: mirrored pairs)"""
     sigma: float = 0.3
-    """initial step size in every coordinate (logit / log-ratio units) but the difficulty ones"""
+    """initial step size in every coordinate (logit / log-ratio units) but the clipped ones"""
     difficulty_sigma: float = 0.6
-    """initial step size of the difficulty coordinates (files without them start at 0, where a
-    small step mostly lands on the clip)"""
+    """initial step size of the clipped structure coordinates (difficulty, draft_blame; files
+    without them start at 0, where a small step mostly lands on the clip)"""
     fit_seeds: tuple[int, ...] = (100, 101, 102, 103, 104, 105, 106, 107)
     """seeds the fit evaluates on (the report uses 0..4)"""
     search_seed: int = 0
@@ -269,10 +276,14 @@ class FitConfig:
     write: bool = False
     """write the best candidate's files into meshheal_jax/model_params/"""
     scan_spread: tuple[float, ...] = ()
-    """no search: evaluate the pair's files with every (difficulty_spread, review_difficulty) of
-    scan_spread x scan_review set on both models (one batch, the fit seeds) and print a table"""
+    """no search: evaluate the pair's files with every (difficulty_spread, review_difficulty,
+    draft_blame) of scan_spread x scan_review x scan_blame set on both models (one batch, the fit
+    seeds) and print a table"""
     scan_review: tuple[float, ...] = (0.0,)
     """review_difficulty values of the scan (with --scan-spread)"""
+    scan_blame: tuple[float, ...] = (0.0,)
+    """draft_blame values of the scan (with --scan-spread; --scan-spread 0 --scan-blame 0 0.5 1
+    scans draft_blame alone)"""
 
 
 def utilities(n: int) -> np.ndarray:
@@ -312,7 +323,7 @@ def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dic
         print(f"resumed {state_file} after generation {first}: best loss {best[0]:.2f}", flush=True)
     else:
         rng = np.random.default_rng(cfg.search_seed)
-        steps = [cfg.difficulty_sigma if k.non_negative else cfg.sigma for k in knobs for _ in range(k.size)]
+        steps = [cfg.difficulty_sigma if k.clipped else cfg.sigma for k in knobs for _ in range(k.size)]
         mean, sigma, first = origin, np.asarray(steps, float), 0
         start_rows = evaluator.rows([pair_of(decode(mean, base, knobs), cfg.pair)])[0]
         best = (score(mean, start_rows), decode(mean, base, knobs), start_rows)
@@ -371,35 +382,40 @@ def scale_tokens(docs: dict[str, dict], rows: list[dict], evaluator: Evaluator, 
 
 
 def scan_difficulty(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
-    """The pair's files with the latent-difficulty parameters set on both models, grid by grid:
-    accuracy per phase, primary targets met, loss, and where the degraded phase's accuracy goes."""
+    """The pair's files with the optional structure parameters (latent difficulty, draft blame) set
+    on both models, grid by grid: accuracy per phase, primary targets met, loss, and where the
+    degraded phase's accuracy goes."""
     base = base_docs(cfg.pair)
-    points = [(spread, review) for spread in cfg.scan_spread for review in cfg.scan_review]
+    points = [(spread, review, blame) for spread in cfg.scan_spread for review in cfg.scan_review
+              for blame in cfg.scan_blame]  # fmt: skip
     pairs = []
-    for spread, review in points:
+    for spread, review, blame in points:
         docs = copy.deepcopy(base)
         for role in ("strong", "weak"):
             docs[role]["difficulty_spread"], docs[role]["review_difficulty"] = spread, review
+            docs[role][DRAFT_BLAME] = blame
         pairs.append(pair_of(docs, cfg.pair))
     gaps: list = []
     rows = evaluator.rows(pairs, gaps)
     out = []
-    table = new_table(f"Latent difficulty on both models, the {cfg.pair} pair's files otherwise "
+    table = new_table(f"Latent difficulty and draft blame on both models, the {cfg.pair} pair's files otherwise "
                       f"(fit seeds {list(cfg.fit_seeds)}, jax engine, slots 1)",
-                      "spread", "review", "acc H", "acc D", "D − H", "MATH H → D", "primary met", "loss",
+                      "spread", "review", "blame", "acc H", "acc D", "D − H", "MATH H → D", "Takeover w→r", "primary met", "loss",
                       "not both isolated (share, contribution)", "after isolation, visits none")  # fmt: skip
-    for (spread, review), r, gap in zip(points, rows, gaps):
+    for (spread, review, blame), r, gap in zip(points, rows, gaps):
         value = {x["target"]: x["measured"]["mean"] for x in r}
         primary = [x for x in r if x["priority"] == "primary"]
         by_part = {g["part"]: g for g in gap}
         never, clean = by_part[GAP_PARTS[0]], by_part[GAP_PARTS[4]]
         h, d = value["accuracy, healthy phase, mean of 3 datasets"], value["accuracy, degraded phase, mean of 3 datasets"]
-        table.add_row(f"{spread:g}", f"{review:g}", _num(h, False), _num(d, False), f"{d - h:+.3f}",
+        table.add_row(f"{spread:g}", f"{review:g}", f"{blame:g}", _num(h, False), _num(d, False), f"{d - h:+.3f}",
                       f"{_num(value['MATH accuracy, healthy phase'], False)} → "
                       f"{_num(value['MATH accuracy, degraded phase'], False)}",
+                      _num(value["Takeover on Finalize: wrong->right"], False),
                       f"{sum(x['pass'] for x in primary)}/{len(primary)}", f"{loss(r):.1f}",
                       f"{never['share']:.3f}, {never['contribution']:+.4f}", f"{clean['contribution']:+.4f}")  # fmt: skip
-        out.append({"difficulty_spread": spread, "review_difficulty": review, "rows": r, "degraded_gap": gap})
+        out.append({"difficulty_spread": spread, "review_difficulty": review, DRAFT_BLAME: blame, "rows": r,
+                    "degraded_gap": gap})
     print_table(table)
     return out
 

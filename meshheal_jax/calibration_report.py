@@ -204,11 +204,11 @@ def body(cfg: ReportConfig) -> None:
     rows = evaluate({pair: per_seed_contexts(results, exp, pair) for pair in exp.pairs})
     source = "Live models" if cfg.backend == "live" else "Emulator calibration"
     print_report(rows, f"{source} ({cfg.engine} engine, {len(exp.seeds)} seeds, non-probe outputs)")
-    for name in exp.pairs:  # the structures beyond independent draws the files switch on (decisions E9)
+    for name in exp.pairs:  # the structures beyond independent draws the files switch on (decisions E9, E10)
         pair = load_pair(name, cfg.params_dir)
-        print(f"pair {name}, latent question difficulty: " + "; ".join(
-            f"{m.name} difficulty_spread {m.difficulty_spread:g}, review_difficulty {m.review_difficulty:g}"
-            for m in (pair.strong, pair.weak)))  # fmt: skip
+        print(f"pair {name}, optional structure: " + "; ".join(
+            f"{m.name} difficulty_spread {m.difficulty_spread:g}, review_difficulty {m.review_difficulty:g}, "
+            f"draft_blame {m.draft_blame:g}" for m in (pair.strong, pair.weak)))  # fmt: skip
     gap = None
     if "default" in exp.pairs:
         pick = pl.col("pair") == "default"

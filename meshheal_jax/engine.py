@@ -27,7 +27,8 @@ from meshheal_jax.config import ProtocolParams
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import SCHEMAS
-from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair, threshold_table
+from meshheal_jax.device import on_device, stack  # noqa: F401 (engine.stack is part of its API)
+from meshheal_jax.params import ANCHORS, CALL_KINDS, JUDGED_RIGHT_ON_WRONG_DRAFT, Pair, threshold_table
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network
 
@@ -110,8 +111,8 @@ class Params:
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], DIFFICULTY_BINS, 4)
-    round2_thr: jax.Array  # (2, 2, 2, DIFFICULTY_BINS, 4)
+    review_thr: jax.Array  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4)
+    round2_thr: jax.Array  # (2, 2, 3, DIFFICULTY_BINS, 4)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, 7 kinds, 2 [min, max]) int
     prompt: jax.Array  # (2, 7 kinds) int
@@ -133,13 +134,6 @@ class World:
     degraded_until: jax.Array  # (N,) int32 first task healthy again  [backend only]
     seed: jax.Array  # () int32: per-task draws come from (seed, dataset_id, t)
     dataset_id: jax.Array  # () int32
-
-
-def on_device(x, dtype) -> jax.Array:
-    """A host value as a device array, converted by numpy and copied by device_put: jnp.asarray
-    compiles a small XLA program per shape (JAX 0.10: ~20 ms each, about a second per run when
-    the compilation cache is off)."""
-    return jax.device_put(np.asarray(x, dtype=dtype))
 
 
 def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) -> Params:
@@ -969,11 +963,15 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
         answer_tokens=part_tokens, result_ok=jnp.where(r.finalize, answer_ok, part_ok), result_tokens=part_tokens,
         pending=~r.finalize, candidate_tokens=jnp.int32(0))  # fmt: skip
 
-    # review samples (3) / committee rounds (2)
+    # review samples (3) / committee rounds (2); a Finalize's own right part on a wrong draft is
+    # its own judged class (params.JUDGED_RIGHT_ON_WRONG_DRAFT, decisions E10)
+    judged_class = jnp.where(r.finalize & b.part_ok & ~b.draft_ok, JUDGED_RIGHT_ON_WRONG_DRAFT,
+                             b.part_ok.astype(jnp.int32))  # fmt: skip
+
     def sample(kind, k, thr_table, repeat_of, use_repeat, p_repeat):
         role = roles[k]
         u = u_calls[kind_slot(kind, k)]
-        drawn = jnp.asarray(ANCHORS)[categorical(u[D.U_MAIN], thr_table[role, b.part_role, b.part_ok.astype(jnp.int32), q])]
+        drawn = jnp.asarray(ANCHORS)[categorical(u[D.U_MAIN], thr_table[role, b.part_role, judged_class, q])]
         score = jnp.where(use_repeat & (u[D.U_AUX] < p_repeat[role]), repeat_of, drawn)
         comp = _completion(p, role, kind, u[D.U_TOKENS])
         return score, comp, role
@@ -1362,12 +1360,6 @@ def done(cfg: EngineConfig, carry: Carry) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def stack(trees):
-    """Stack pytrees along a new leading axis, on the host (see on_device: an eager jnp.stack
-    compiles one small XLA program per leaf shape)."""
-    return jax.tree_util.tree_map(lambda *xs: jax.device_put(np.stack([np.asarray(x) for x in xs])), *trees)
-
-
 @dataclasses.dataclass
 class StreamSpec:
     network: Network
@@ -1451,7 +1443,8 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     mesh = stream_mesh(shard)
     specs = pad_streams(specs, mesh)
     first = specs[0]
-    batched = any(s.network.profile.dataset != first.network.profile.dataset for s in specs)  # p_part differs
+    # one parameter pytree unless the streams differ in dataset (p_part) or pair
+    batched = any(s.network.profile.dataset != first.network.profile.dataset or s.pair != first.pair for s in specs)
     if batched:
         params = shard_streams(stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]),
                                mesh)  # fmt: skip

@@ -34,6 +34,15 @@ SCALARS = (
 # Latent question difficulty (spec/emulator.md, docs/decisions.md E9): optional, non-negative,
 # 0 (the independent model) when a file leaves them out. Kept in ModelParams.scalars.
 DIFFICULTY = ("difficulty_spread", "review_difficulty")
+# A Finalize built on a wrong draft, judged by this reviewer (spec/emulator.md "Structure the fit
+# may need", docs/decisions.md E10): its own part correct, the review and round-2 categoricals are
+# the mixture (1 - draft_blame) x P(score | correct) + draft_blame x P(score | wrong). Optional, a
+# probability, 0 (judged on the own part alone, the spec's base rule) when a file leaves it out.
+DRAFT_BLAME = "draft_blame"
+OPTIONAL = DIFFICULTY + (DRAFT_BLAME,)  # every optional model-file number, neutral at 0
+# The judged-output classes of the threshold tables: the judged part wrong, right, or right on a
+# wrong accepted draft (a Finalize only).
+JUDGED_WRONG, JUDGED_RIGHT, JUDGED_RIGHT_ON_WRONG_DRAFT = range(3)
 # The difficulty z of each bin: the midpoint quantiles of a standard normal (bins are equally likely).
 DIFFICULTY_Z = tuple(NormalDist().inv_cdf((b + 0.5) / DIFFICULTY_BINS) for b in range(DIFFICULTY_BINS))
 
@@ -126,11 +135,23 @@ class ModelParams:
         """Wrong answers: distractor 1 with p_popular_wrong, the others share the rest."""
         return self.distractor_cumulative
 
-    def review_thresholds(self, role: str, correct: bool, difficulty: int) -> tuple[float, ...]:
-        return self.review_cumulative[(role, correct)][difficulty]
+    def review_thresholds(self, role: str, correct: bool, difficulty: int, wrong_draft: bool = False) -> tuple[float, ...]:
+        """Cumulative thresholds of one review sample; `wrong_draft`: the judged output is a
+        Finalize whose accepted draft is wrong (only matters for a correct part)."""
+        return self._judged(self.review_cumulative, role, correct, difficulty, wrong_draft)
 
-    def round2_thresholds(self, role: str, correct: bool, difficulty: int) -> tuple[float, ...]:
-        return self.round2_cumulative[(role, correct)][difficulty]
+    def round2_thresholds(self, role: str, correct: bool, difficulty: int, wrong_draft: bool = False) -> tuple[float, ...]:
+        return self._judged(self.round2_cumulative, role, correct, difficulty, wrong_draft)
+
+    def _judged(self, table, role, correct, difficulty, wrong_draft) -> tuple[float, ...]:
+        right = table[(role, True)][difficulty]
+        if not correct:
+            return table[(role, False)][difficulty]
+        w = self.scalars.get(DRAFT_BLAME, 0.0)
+        if not wrong_draft or w == 0.0:
+            return right
+        wrong = table[(role, False)][difficulty]
+        return tuple((1.0 - w) * a + w * b for a, b in zip(right, wrong[:-1])) + (1.0,)
 
 
 def _probability(value, where: str) -> float:
@@ -167,6 +188,7 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
     try:
         scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
         scalars |= {k: _non_negative(doc.get(k, 0.0), f"{source}: {k}") for k in DIFFICULTY}
+        scalars[DRAFT_BLAME] = _probability(doc.get(DRAFT_BLAME, 0.0), f"{source}: {DRAFT_BLAME}")
         n_distractors = int(doc["n_distractors"])
         completion = {k: tuple(int(x) for x in doc["completion_tokens"][k]) for k in CALL_KINDS}
         prompt = {k: int(doc["prompt_tokens"][k]) for k in CALL_KINDS}
@@ -216,14 +238,14 @@ class Pair:
 
 def threshold_table(pair: Pair, section: str) -> np.ndarray:
     """A pair's cumulative review ("review") or round-2 ("round2") thresholds as the array both
-    JAX engines read: (reviewer model [strong, weak], author role, judged part [wrong, correct],
-    DIFFICULTY_BINS, anchors)."""
-    out = np.zeros((2, len(AUTHOR_ROLES), 2, DIFFICULTY_BINS, len(ANCHORS)))
+    JAX engines read: (reviewer model [strong, weak], author role, judged class [JUDGED_WRONG,
+    JUDGED_RIGHT, JUDGED_RIGHT_ON_WRONG_DRAFT], DIFFICULTY_BINS, anchors)."""
+    out = np.zeros((2, len(AUTHOR_ROLES), 3, DIFFICULTY_BINS, len(ANCHORS)))
     for r, m in enumerate((pair.strong, pair.weak)):
-        table = m.review_cumulative if section == "review" else m.round2_cumulative
+        lookup = m.review_thresholds if section == "review" else m.round2_thresholds
         for a, role in enumerate(AUTHOR_ROLES):
-            for c in (0, 1):
-                out[r, a, c] = table[(role, bool(c))]
+            for c, (correct, wrong_draft) in enumerate(((False, False), (True, False), (True, True))):
+                out[r, a, c] = [lookup(role, correct, b, wrong_draft) for b in range(DIFFICULTY_BINS)]
     return out
 
 
@@ -237,7 +259,7 @@ def load_pair(name: str, model_dir: Path | None = None) -> Pair:
 def dump_model(m: ModelParams, header: str = "") -> str:
     """A model file's TOML text (the inverse of parse_model)."""
     lines = [f"# {line}" for line in header.splitlines()] + [f"model = {m.model!r}".replace("'", '"')]
-    for key in SCALARS + DIFFICULTY:
+    for key in SCALARS + OPTIONAL:
         lines.append(f"{key} = {m.scalars.get(key, 0.0):.6g}")
     lines.append(f"n_distractors = {m.n_distractors}")
     lines += ["", "[p_part]"]

@@ -145,6 +145,7 @@ class Output:
     tokens: int  # visible tokens passed on to later calls
     model: str  # "strong" | "weak": which pair member wrote it
     answer_id: int = 0  # final answers: 0 = gold, k >= 1 = distractor k
+    on_wrong_draft: bool = False  # a Finalize's own part written on an accepted draft with a wrong output
 
 
 class ReferenceEmulator:
@@ -215,10 +216,10 @@ class ReferenceEmulator:
         completion = self._complete(m, "generate", u[D.U_TOKENS])
         context = sum(o.tokens for o in draft)
         prompt = m.prompt_tokens["generate"] + self.question_tokens + context
-        part = Output(part_ok, self._visible(m, completion), role)
+        draft_ok = all(o.correct for o in draft)
+        part = Output(part_ok, self._visible(m, completion), role, on_wrong_draft=finalize and not draft_ok)
         answer = None
         if finalize:
-            draft_ok = all(o.correct for o in draft)
             if not pair_ok:
                 answer_ok = u[D.U_AUX] < self.p_part["weak"][task_type][q]
             else:
@@ -238,7 +239,7 @@ class ReferenceEmulator:
         if repeat_of is not None and u[D.U_AUX] < m.rho_same:
             score = repeat_of
         else:
-            thresholds = m.review_thresholds(author_role, judged.correct, self.difficulty[t - 1])
+            thresholds = m.review_thresholds(author_role, judged.correct, self.difficulty[t - 1], judged.on_wrong_draft)
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
         return self._score_call(ctx, kind, reviewer, role, ability, judged, draft, u, score, 0)
 
@@ -249,7 +250,8 @@ class ReferenceEmulator:
         if u[D.U_AUX] < m.p_follow:
             score = other_round1
         else:
-            thresholds = m.round2_thresholds(f"{judged.model}_author", judged.correct, self.difficulty[t - 1])
+            thresholds = m.round2_thresholds(f"{judged.model}_author", judged.correct, self.difficulty[t - 1],
+                                             judged.on_wrong_draft)
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
         return self._score_call(ctx, "committee2", reviewer, role, ability, judged, draft, u, score, extra)
 

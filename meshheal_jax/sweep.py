@@ -49,7 +49,7 @@ from meshheal_jax import metrics, runner
 from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import DIFFICULTY, SCALARS, Pair, load_pair
+from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
 
 TRADEOFF_PNG = "tradeoff.png"
 MAPS_PNG = "grid_maps.png"
@@ -117,7 +117,7 @@ def _protocol_kinds() -> dict[str, type]:
 def sweepable() -> list[str]:
     """Every name --grid accepts."""
     protocol = [n for n in _protocol_kinds() if n not in STATIC_FIELDS]
-    return protocol + [f"{m}.{s}" for m in MODELS for s in SCALARS + DIFFICULTY]
+    return protocol + [f"{m}.{s}" for m in MODELS for s in SCALARS + OPTIONAL]
 
 
 def _kind(name: str) -> type:
@@ -131,7 +131,7 @@ def _kind(name: str) -> type:
     if name in kinds:
         return kinds[name]
     model, _, scalar = name.partition(".")
-    if model in MODELS and scalar in SCALARS + DIFFICULTY:
+    if model in MODELS and scalar in SCALARS + OPTIONAL:
         return float
     raise MeshHealError(f"unknown sweep parameter {name!r}; sweepable: {', '.join(sweepable())}")
 

@@ -91,8 +91,9 @@ def test_any_coordinates_give_valid_model_files_and_round_trip(seed):
     docs = fit.decode(x, base)
     parse_model(docs["strong"], "strong", "strong")  # raises on a categorical not summing to 1
     parse_model(docs["weak"], "weak", "weak")
-    clipped = np.concatenate([[k.non_negative] * k.size for k in fit.KNOBS])  # difficulty: >= 0
-    expected = np.where(clipped, np.maximum(x, 0.0), x)
+    low = np.concatenate([[k.clip[0] if k.clipped else -np.inf] * k.size for k in fit.KNOBS])
+    high = np.concatenate([[k.clip[1] if k.clipped else np.inf] * k.size for k in fit.KNOBS])
+    expected = np.clip(x, low, high)  # difficulty >= 0, draft_blame in [0, 1]
     assert np.allclose(fit.encode(docs), expected, atol=5e-3)  # 6-decimal files: small logit rounding
     assert fit.base_docs() == base  # decode copies, never edits its base
 

@@ -88,6 +88,19 @@ def test_vmap_equals_separate_runs_and_is_deterministic():
         assert alone[0][table].equals(again[0][table])  # same program, same inputs: bit for bit
 
 
+def test_streams_of_one_dataset_with_different_pairs_each_get_their_own():
+    """Batched streams read per-stream parameters whenever their pairs' files differ, not only
+    their datasets (stream 1: the default pair with pair A's weak model, e.g. a sweep or a fit's
+    candidate; stream 0: the default pair)."""
+    swapped = dataclasses.replace(PAIR, weak=load_pair("A").weak)  # same pair name, other files
+    other = dataclasses.replace(main_spec("math", 1, 84), pair=swapped)
+    together = engine.run_streams([main_spec("math", 0, 84), other], PROTOCOL)
+    alone = engine.run_streams([other], PROTOCOL)
+    for table in TABLES:
+        assert first_difference(together[1][table], alone[0][table], table) is None
+    assert set(together[1]["calls"]["model"]) != set(together[0]["calls"]["model"])
+
+
 def test_compiles_once_per_shape():
     engine.run_streams([main_spec("bbh", 0, 42)], PROTOCOL, chunk=64)
     before = engine.TRACES["run_rounds"]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshheal_jax import draws as D
+from meshheal_jax.device import on_device
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index  # noqa: F401 (re-exported for the methods)
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair, threshold_table
@@ -182,7 +183,7 @@ _stream_extras = cpu_jit(_stream_extras_impl, static_argnums=(2,))
 def stream_uniforms(seed: int, dataset_id: int, n_tasks: int) -> TaskUniforms:
     """Tasks 1..n_tasks' uniforms (numpy, leading (n_tasks,)); one compiled program per length,
     shared by every method; the task draws come from draws.stream_draws itself."""
-    parallel, control = _stream_extras(jnp.int32(seed), jnp.int32(dataset_id), n_tasks)
+    parallel, control = _stream_extras(np.int32(seed), np.int32(dataset_id), n_tasks)
     task = D.stream_draws(seed, dataset_id, n_tasks)
     return jax.tree_util.tree_map(np.asarray, TaskUniforms(task, parallel, control))
 
@@ -230,7 +231,7 @@ class Emu:
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: jax.Array  # (2 reviewer, 2 author role, 2 [wrong, correct], DIFFICULTY_BINS, 4 anchors)
+    review_thr: jax.Array  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4 anchors)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
     prompt: jax.Array  # (2, len(KINDS)) int32 template tokens
@@ -260,14 +261,15 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> Wo
             f"stream and network have {network.n_agents} / {stream.n_tasks}"
         )
     return World(
-        holds=jnp.asarray(network.holds), adjacency=jnp.asarray(network.adjacency),
-        hop_distance=jnp.asarray(hop_distances(network.holds, network.adjacency)),
-        task_type=jnp.asarray(stream.task_type, dtype=jnp.int32), true_pair=jnp.asarray(true_pair),
-        difficulty=jnp.asarray(stream.difficulty, dtype=jnp.int32),
-        pair_abilities=jnp.asarray(pair_abilities), pair_valid=jnp.arange(n_types) < len(profile.pairs),
-        type_abilities=jnp.asarray(pair_abilities[true_pair]),
-        degraded=jnp.asarray(schedule.degraded_matrix()),
-        seed=jnp.int32(stream.seed), dataset_id=jnp.int32(stream.dataset_id),
+        holds=on_device(network.holds, bool), adjacency=on_device(network.adjacency, bool),
+        hop_distance=on_device(hop_distances(network.holds, network.adjacency), np.int32),
+        task_type=on_device(stream.task_type, np.int32), true_pair=on_device(true_pair, np.int32),
+        difficulty=on_device(stream.difficulty, np.int32),
+        pair_abilities=on_device(pair_abilities, bool),
+        pair_valid=on_device(np.arange(n_types) < len(profile.pairs), bool),
+        type_abilities=on_device(pair_abilities[true_pair], bool),
+        degraded=on_device(schedule.degraded_matrix(), bool),
+        seed=on_device(stream.seed, np.int32), dataset_id=on_device(stream.dataset_id, np.int32),
     )  # fmt: skip
 
 
@@ -275,16 +277,16 @@ def make_emu(pair: Pair, profile: Profile) -> Emu:
     models = (pair.strong, pair.weak)
     if pair.strong.n_distractors != pair.weak.n_distractors:
         raise MeshHealError("both models of a pair must have the same n_distractors")
-    f = lambda x: jnp.asarray(x, dtype=jnp.float64)
+    f = functools.partial(on_device, dtype=np.float64)
     return Emu(
         p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
         p_rescue=f([m.p_rescue for m in models]), p_decide=f([m.p_decide for m in models]),
         p_fix=f([m.p_fix for m in models]), p_keep=f([m.p_keep for m in models]),
         answer_fraction=f([m.answer_fraction for m in models]), review_thr=f(threshold_table(pair, "review")),
         distractor_thr=f([m.distractor_thresholds() for m in models]),
-        completion=jnp.asarray([[m.completion_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], jnp.int32),
-        prompt=jnp.asarray([[m.prompt_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], jnp.int32),
-        question_tokens=jnp.int32(profile.question_tokens),
+        completion=on_device([[m.completion_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], np.int32),
+        prompt=on_device([[m.prompt_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], np.int32),
+        question_tokens=on_device(profile.question_tokens, np.int32),
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshheal_jax.baselines import agentnet, autogen, raps, sac, symphony
 from meshheal_jax.baselines import common as C
+from meshheal_jax.device import stack as host_stack
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import Pair, load_pair
 from meshheal_jax.streams import HealthSchedule, Stream
@@ -85,9 +86,9 @@ def simulate(method: str, specs: list, pair: Pair | str, params=None):
             raise MeshHealError(f"AutoGen: manager {params.manager} is not an agent of 0..{n_agents - 1}")
     elif method in ("sac", "symphony"):
         params.check(n_agents)
-    emus = C.stack([C.make_emu(pair, s.network.profile) for s in specs])
-    worlds = C.stack([C.make_world(s.network, s.stream, s.schedule) for s in specs])
-    uniforms = C.stack([C.stream_uniforms(s.stream.seed, s.stream.dataset_id, n_tasks) for s in specs])
+    emus = host_stack([C.make_emu(pair, s.network.profile) for s in specs])
+    worlds = host_stack([C.make_world(s.network, s.stream, s.schedule) for s in specs])
+    uniforms = host_stack([C.stream_uniforms(s.stream.seed, s.stream.dataset_id, n_tasks) for s in specs])
     states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)
     return jax.tree_util.tree_map(np.asarray, states), jax.tree_util.tree_map(np.asarray, outs)
 
