@@ -1455,13 +1455,9 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     carry = shard_streams(initial_carries(cfg, worlds), mesh)
     specs = specs[:n_real]
     kept: list[list[dict]] = [[] for _ in specs]
-    # Pipelined: chunk k + 1 is dispatched (asynchronously) as soon as chunk k's carry says more
-    # rounds are needed, and the host turns chunk k's records into tables while it runs.
-    pending = None if done(cfg, carry).all() else run_rounds(cfg, params, worlds, carry, chunk, batched)
     k = 0
-    while pending is not None:
-        carry, records = pending
-        pending = None if done(cfg, carry).all() else run_rounds(cfg, params, worlds, carry, chunk, batched)
+    while not done(cfg, carry).all():
+        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
         records = jax.tree_util.tree_map(np.asarray, records)
         frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
         if on_progress is not None:
