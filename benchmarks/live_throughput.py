@@ -69,6 +69,7 @@ from meshheal_jax.backends.live import (
     request_seed,
 )
 from meshheal_jax.data import QuestionPoolWarning, load_sample
+from meshheal_jax.prompts import review_reply
 from meshheal_jax.topology import DATASETS, load_profile
 
 SECTIONS = ("a", "b", "c", "d", "e")
@@ -102,19 +103,6 @@ TINY_MAX_TOKENS = 4  # CPU decoding through transformers serve: tens of ms a tok
 # The fixed-latency stand-in: the server side (runs in its own process)
 
 
-def _review_json(score: float, finalize: bool) -> str:
-    low = score <= 0.25
-    reply = {
-        "half_correct": score, "in_scope": True, "normal_working_score": score,
-        "confidence": "low" if score == 0.5 else "high", "specific_failure_found": low,
-        "failure_type": "wrong_half" if low else "none", "failure_evidence": WEAK_MARK if low else "",
-        "one_sentence_reason": "the answer is missing" if low else "checked the delegated part",
-    }  # fmt: skip
-    if finalize:
-        reply["final_answer_committed"] = not low
-    return json.dumps(reply)
-
-
 def _profile_pairs() -> dict[str, tuple[list[str], list[list[str]]]]:
     """task type -> (its documented pair, every documented pair of its dataset), ability names."""
     out = {}
@@ -144,7 +132,8 @@ def stand_in_reply(role: str, body: dict, pairs: dict) -> str:
     if fmt in ("contribute_review", "finalize_review"):
         judged = content.split("Output under review:\n<<<\n", 1)[-1].split("\n>>>", 1)[0]
         score = 0.5 if role == "weak" else (0.25 if WEAK_MARK in judged else 1.0)
-        return _review_json(score, fmt == "finalize_review")
+        stage = "finalize" if fmt == "finalize_review" else "contribute"
+        return review_reply(score, stage, evidence=WEAK_MARK)
     if CONTRIBUTE_MARK in content or PARTIAL_MARK in content:
         body_text = WEAK_MARK if role == "weak" else "The delegated part is worked out step by step."
         return f"COMPETENCE_MATCH:partial\n{body_text}\nRESULT: partial result\nHANDOFF: finish the task"

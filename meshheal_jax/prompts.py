@@ -589,6 +589,23 @@ def neutral_verdict() -> ReviewVerdict:
     )
 
 
+def review_reply(score: float, stage: Stage, evidence: str = "the quoted step is wrong",
+                 reason: str = "checked the work") -> str:  # fmt: skip
+    """A well-formed review reply giving `score` (the JSON a reviewer model should return), for
+    stand-in servers and tests: a score <= 0.25 names `evidence` as a concrete correctness error
+    (and, for a Finalize, no committed answer), so `parse_review` reads back `score` unchanged."""
+    low = score <= 0.25
+    reply = {
+        "half_correct": score, "in_scope": True, "normal_working_score": score,
+        "confidence": "low" if score == 0.5 else "high", "specific_failure_found": low,
+        "failure_type": "wrong_half" if low else "none", "failure_evidence": evidence if low else "",
+        "one_sentence_reason": reason,
+    }  # fmt: skip
+    if _check_stage(stage) == "finalize":
+        reply["final_answer_committed"] = not low
+    return json.dumps(reply)
+
+
 def parse_review(text: str, stage: Stage) -> ReviewVerdict:
     """A review reply read into a verdict; ReplyParseError when no JSON object validates.
 

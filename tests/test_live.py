@@ -38,6 +38,7 @@ from meshheal_jax.backends.live import (
     trace_rows,
 )
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.prompts import review_reply
 
 STRONG_ROOT = "openai/gpt-oss-120b"
 WEAK_ROOT = "meta-llama/Llama-3.2-1B-Instruct"
@@ -57,18 +58,7 @@ REASONS = {
 
 
 def good_review(score: float = 1.0) -> str:
-    return json.dumps(
-        {
-            "half_correct": score,
-            "in_scope": True,
-            "normal_working_score": score,
-            "confidence": "high",
-            "specific_failure_found": score <= 0.25,
-            "failure_type": "wrong_half" if score <= 0.25 else "none",
-            "failure_evidence": "x = 3" if score <= 0.25 else "",
-            "one_sentence_reason": "checked",
-        }
-    )
+    return review_reply(score, "contribute", evidence="x = 3", reason="checked")
 
 
 # ----------------------------------------------------------------------------------------------

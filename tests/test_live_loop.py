@@ -30,6 +30,7 @@ from meshheal_jax.backends.live_loop import LiveConfig, run_live_streams
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.data import load_sample
 from meshheal_jax.params import load_pair
+from meshheal_jax.prompts import review_reply
 from meshheal_jax.streams import Stream, make_stream, persistent_schedule
 from meshheal_jax.topology import build_network, load_profile
 
@@ -64,19 +65,6 @@ def _gold(content: str) -> str:
     raise AssertionError("stand-in: no sample question in the prompt")
 
 
-def _review(score: float, finalize: bool) -> str:
-    low = score <= 0.25
-    reply = {
-        "half_correct": score, "in_scope": True, "normal_working_score": score,
-        "confidence": "low" if score == 0.5 else "high", "specific_failure_found": low,
-        "failure_type": "wrong_half" if low else "none", "failure_evidence": WRONG if low else "",
-        "one_sentence_reason": "the answer is missing" if low else "checked the work",
-    }  # fmt: skip
-    if finalize:
-        reply["final_answer_committed"] = not low
-    return json.dumps(reply)
-
-
 def well_formed(role: str, body: dict) -> str:
     content = body["messages"][-1]["content"]
     fmt = (body.get("response_format") or {}).get("json_schema", {}).get("name")
@@ -89,7 +77,7 @@ def well_formed(role: str, body: dict) -> str:
     if fmt in ("contribute_review", "finalize_review"):
         judged = content.split("Output under review:\n<<<\n", 1)[1].split("\n>>>", 1)[0]
         score = 0.5 if role == "weak" else (0.25 if WRONG in judged else 1.0)
-        return _review(score, fmt == "finalize_review")
+        return review_reply(score, "finalize" if fmt == "finalize_review" else "contribute", evidence=WRONG)
     if CONTRIBUTE_MARK in content or PARTIAL_MARK in content:
         return "COMPETENCE_MATCH:partial\nI did my part.\nRESULT: partial result\nHANDOFF: finish the task"
     answer = _gold(content) if role == "strong" else WRONG

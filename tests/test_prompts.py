@@ -427,3 +427,14 @@ def test_parse_execution_answers():
     assert no_answer.answer is None and no_answer.competence is None
     with pytest.raises(ReplyParseError):
         prompts.parse_execution("   ", "math")
+
+
+@pytest.mark.parametrize("stage", ["contribute", "finalize"])
+def test_review_reply_reads_back_its_score_on_every_anchor(stage):
+    """The stand-ins' and tests' well-formed reply (prompts.review_reply) is what parse_review
+    accepts unchanged: a low score carries its evidence, so no client-side rule moves it."""
+    for score in prompts.ANCHORS:
+        verdict = prompts.parse_review(prompts.review_reply(score, stage, evidence="2 + 2 = 5"), stage)
+        assert verdict.score == score and verdict.adjustment == ""
+        assert verdict.failure_evidence == ("2 + 2 = 5" if score <= 0.25 else "")
+        assert verdict.final_answer_committed is (None if stage == "contribute" else score > 0.25)
