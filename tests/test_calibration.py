@@ -142,14 +142,15 @@ def test_evaluator_equals_the_reference_engine():
     assert rows[0] != rows[1]  # the candidates really differ
 
 
-def test_difficulty_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, capsys):
+def test_structure_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, capsys):
     ev = fit.Evaluator((100,), ("bbh",))
-    cfg = fit.FitConfig(scan_spread=(0.0, 1.0), scan_review=(0.0,), out=tmp_path)
+    cfg = fit.FitConfig(scan_spread=(0.0, 1.0), scan_review=(0.0,), scan_blame=(0.0, 0.5), out=tmp_path)
     result = fit.scan_difficulty(cfg, ev)
-    assert [(r["difficulty_spread"], r["review_difficulty"]) for r in result] == [(0.0, 0.0), (1.0, 0.0)]
-    assert result[0]["rows"] == ev.rows([fit.pair_of(fit.base_docs())])[0]  # 0, 0 = the files as they are
-    assert result[1]["rows"] != result[0]["rows"]
+    points = [(r["difficulty_spread"], r["review_difficulty"], r["draft_blame"]) for r in result]
+    assert points == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.5), (1.0, 0.0, 0.0), (1.0, 0.0, 0.5)]
+    assert result[0]["rows"] == ev.rows([fit.pair_of(fit.base_docs())])[0]  # all 0 = the files as they are
+    assert all(r["rows"] != result[0]["rows"] for r in result[1:])  # each structure reaches the run
     for r in result:
         *parts, total = r["degraded_gap"]
         assert sum(p["contribution"] for p in parts) == pytest.approx(total["contribution"], abs=1e-12)
-    assert "Latent difficulty on both models" in capsys.readouterr().out
+    assert "Latent difficulty and draft blame on both models" in capsys.readouterr().out
