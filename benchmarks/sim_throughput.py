@@ -28,11 +28,10 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 
 import meshheal_jax  # noqa: F401  (sets the XLA CPU flags before JAX starts)
-import jax
-
 from meshheal_jax import draws as D
 from meshheal_jax import engine, graphs, reference
 from meshheal_jax.config import ProtocolParams
@@ -68,7 +67,7 @@ def make_specs(n_agents: int, sparse: bool, seeds: int, datasets=("bbh",)) -> li
 def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) -> dict:
     """tasks/s of the compiled rounds over the first `prefix` tasks of every stream (all if None)."""
     cfg = engine.engine_config(specs, PROTOCOL, slots)
-    batched = len({s.network.profile.dataset for s in specs}) > 1
+    batched = engine.params_per_stream(specs)
     if batched:
         params = engine.stack([engine.make_params(PROTOCOL, s.pair, s.network.profile, cfg.n_agents) for s in specs])
     else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -51,7 +52,17 @@ from meshheal_jax.calibration_report import (
 from meshheal_jax.cli import entrypoint, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import ANCHORS, DIFFICULTY, DRAFT_BLAME, MODEL_DIR, OPTIONAL, PAIRS, Pair, dump_model, parse_model
+from meshheal_jax.params import (
+    ANCHORS,
+    DIFFICULTY,
+    DRAFT_BLAME,
+    MODEL_DIR,
+    OPTIONAL,
+    PAIRS,
+    Pair,
+    dump_model,
+    parse_model,
+)
 
 DATASETS = ("bbh", "math", "mmlu_pro")
 # Which files each pair's fit changes (the other file of pairs A and B is the fitted default one).
@@ -276,14 +287,16 @@ class FitConfig:
     write: bool = False
     """write the best candidate's files into meshheal_jax/model_params/"""
     scan_spread: tuple[float, ...] = ()
-    """no search: evaluate the pair's files with every (difficulty_spread, review_difficulty,
-    draft_blame) of scan_spread x scan_review x scan_blame set on both models (one batch, the fit
-    seeds) and print a table"""
-    scan_review: tuple[float, ...] = (0.0,)
-    """review_difficulty values of the scan (with --scan-spread)"""
-    scan_blame: tuple[float, ...] = (0.0,)
-    """draft_blame values of the scan (with --scan-spread; --scan-spread 0 --scan-blame 0 0.5 1
-    scans draft_blame alone)"""
+    """no search when any --scan-* is given: evaluate the pair's files with every (difficulty_spread,
+    review_difficulty, draft_blame) of scan_spread x scan_review x scan_blame set on both models
+    (one batch, the fit seeds; an axis left out is 0) and print a table"""
+    scan_review: tuple[float, ...] = ()
+    """review_difficulty values of the scan"""
+    scan_blame: tuple[float, ...] = ()
+    """draft_blame values of the scan"""
+
+    def scans(self) -> bool:
+        return bool(self.scan_spread or self.scan_review or self.scan_blame)
 
 
 def utilities(n: int) -> np.ndarray:
@@ -381,13 +394,12 @@ def scale_tokens(docs: dict[str, dict], rows: list[dict], evaluator: Evaluator, 
     return docs, rows
 
 
-def scan_difficulty(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
+def scan_structure(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
     """The pair's files with the optional structure parameters (latent difficulty, draft blame) set
     on both models, grid by grid: accuracy per phase, primary targets met, loss, and where the
     degraded phase's accuracy goes."""
     base = base_docs(cfg.pair)
-    points = [(spread, review, blame) for spread in cfg.scan_spread for review in cfg.scan_review
-              for blame in cfg.scan_blame]  # fmt: skip
+    points = list(itertools.product(cfg.scan_spread or (0.0,), cfg.scan_review or (0.0,), cfg.scan_blame or (0.0,)))
     pairs = []
     for spread, review, blame in points:
         docs = copy.deepcopy(base)
@@ -422,8 +434,8 @@ def scan_difficulty(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
 
 def body(cfg: FitConfig) -> None:
     evaluator = Evaluator(cfg.fit_seeds, pair=cfg.pair)
-    if cfg.scan_spread:
-        result = scan_difficulty(cfg, evaluator)
+    if cfg.scans():
+        result = scan_structure(cfg, evaluator)
         cfg.out.mkdir(parents=True, exist_ok=True)
         runner.write_atomic(cfg.out / "difficulty_scan.json", json.dumps(result, indent=2))
         print(f"wrote {cfg.out / 'difficulty_scan.json'}")

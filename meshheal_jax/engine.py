@@ -1392,6 +1392,13 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
     )  # fmt: skip
 
 
+def params_per_stream(specs: list[StreamSpec]) -> bool:
+    """Whether batched streams need one parameter pytree each: their datasets (p_part) or their
+    pairs' files differ (the pair NAME may be shared by different files: a sweep, a fit's candidate)."""
+    first = specs[0]
+    return any(s.network.profile.dataset != first.network.profile.dataset or s.pair != first.pair for s in specs)
+
+
 def stream_mesh(shard: bool | None = None) -> jax.sharding.Mesh | None:
     """A 1-D device mesh over the stream axis when streams should be sharded: shard=None shards
     whenever several devices are visible (GPUs, or CPU with
@@ -1443,8 +1450,7 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     mesh = stream_mesh(shard)
     specs = pad_streams(specs, mesh)
     first = specs[0]
-    # one parameter pytree unless the streams differ in dataset (p_part) or pair
-    batched = any(s.network.profile.dataset != first.network.profile.dataset or s.pair != first.pair for s in specs)
+    batched = params_per_stream(specs)
     if batched:
         params = shard_streams(stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]),
                                mesh)  # fmt: skip

@@ -144,14 +144,15 @@ class ModelParams:
         return self._judged(self.round2_cumulative, role, correct, difficulty, wrong_draft)
 
     def _judged(self, table, role, correct, difficulty, wrong_draft) -> tuple[float, ...]:
-        right = table[(role, True)][difficulty]
-        if not correct:
-            return table[(role, False)][difficulty]
+        """A wrong part: its own row; a right one: its own row, mixed with the wrong row by
+        draft_blame when it sits on a wrong draft (the last threshold stays exactly 1)."""
+        right, wrong = table[(role, True)][difficulty], table[(role, False)][difficulty]
         w = self.scalars.get(DRAFT_BLAME, 0.0)
+        if not correct:
+            return wrong
         if not wrong_draft or w == 0.0:
             return right
-        wrong = table[(role, False)][difficulty]
-        return tuple((1.0 - w) * a + w * b for a, b in zip(right, wrong[:-1])) + (1.0,)
+        return tuple((1.0 - w) * a + w * b for a, b in zip(right[:-1], wrong[:-1])) + (1.0,)
 
 
 def _probability(value, where: str) -> float:

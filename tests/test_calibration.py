@@ -145,7 +145,7 @@ def test_evaluator_equals_the_reference_engine():
 def test_structure_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, capsys):
     ev = fit.Evaluator((100,), ("bbh",))
     cfg = fit.FitConfig(scan_spread=(0.0, 1.0), scan_review=(0.0,), scan_blame=(0.0, 0.5), out=tmp_path)
-    result = fit.scan_difficulty(cfg, ev)
+    result = fit.scan_structure(cfg, ev)
     points = [(r["difficulty_spread"], r["review_difficulty"], r["draft_blame"]) for r in result]
     assert points == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.5), (1.0, 0.0, 0.0), (1.0, 0.0, 0.5)]
     assert result[0]["rows"] == ev.rows([fit.pair_of(fit.base_docs())])[0]  # all 0 = the files as they are

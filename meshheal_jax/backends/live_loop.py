@@ -497,8 +497,7 @@ def run_live_streams(
         run_dir.mkdir(parents=True, exist_ok=True)
     cfg = engine.engine_config(specs, protocol, slots)
     first = specs[0]
-    # one parameter pytree unless the streams differ in dataset (p_part) or pair
-    batched = any(s.network.profile.dataset != first.network.profile.dataset or s.pair != first.pair for s in specs)
+    batched = engine.params_per_stream(specs)
     if batched:
         params = engine.stack(
             [engine.make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]
