@@ -40,7 +40,7 @@ class CommonFlags:
     """no progress bar"""
     backend: Literal["emulated", "live"] = "emulated"
     """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
-    e.g. serving/vllm_pair.sh; MeshHeal only)"""
+    e.g. serving/vllm_pair.sh; every method, the baselines included)"""
     strong_url: tuple[str, ...] = ()
     """live: base URL(s) of the strong model's server(s), e.g. http://127.0.0.1:8000/v1 (round-robin)"""
     weak_url: tuple[str, ...] = ()

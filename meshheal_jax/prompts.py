@@ -825,3 +825,170 @@ def _json_values(text: str | None) -> list[Any]:
         else:
             i += 1
     return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The baselines' own calls (spec/baselines.md; live backend of `baselines/`)
+#
+# Router (AgentNet) and speaker selection (AutoGen) name one agent; the watchdog (RAPS) is the
+# Contribute review above; an SAC evaluation scores the evaluator's own answer and another
+# team's; compose (AutoGen) and refine (SAC) write a final answer; chain-of-thought resamples
+# (Symphony) are execution prompts.
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """An agent a router or a manager may name, as the prompt lists it."""
+
+    agent: int
+    abilities: tuple[AbilityRef, ...]
+    note: str = ""  # e.g. the router's score terms
+
+
+def _candidates_block(candidates: Sequence[Candidate]) -> str:
+    lines = []
+    for c in candidates:
+        note = f"; {c.note}" if c.note else ""
+        lines.append(f"- agent {c.agent}: {_names(c.abilities)}{note}")
+    return "\n".join(lines)
+
+
+def choice_schema(agents: Sequence[int]) -> dict:
+    return {
+        "type": "object", "properties": {"agent": {"type": "integer", "enum": sorted({int(a) for a in agents})}},
+        "required": ["agent"], "additionalProperties": False,
+    }  # fmt: skip
+
+
+def choice_response_format(agents: Sequence[int]) -> dict:
+    return json_schema_format("agent_choice", choice_schema(agents))
+
+
+def router_messages(task: TaskText, agent: int, needed: AbilityRef, candidates: Sequence[Candidate]) -> list[Message]:
+    """AgentNet: the agent holding the task names the neighbour to forward it to."""
+    if not candidates:
+        raise MeshHealError("prompts: a router call needs at least one candidate neighbour")
+    user = (
+        f"You are agent {agent}, routing a task.\n\n{_task_block(task)}\n\n{_accepted_block(task)}\n\n"
+        f"The task still needs the ability {needed.line()}. Your neighbours that may receive it, with "
+        f"their ability estimate for it, success rate on this task type and load:\n"
+        f"{_candidates_block(candidates)}\n\nName the ONE neighbour best placed to do this part. "
+        'Reply with one JSON object only: {"agent": <id>}.'
+    )
+    return _chat(user)
+
+
+def select_messages(task: TaskText, needed: AbilityRef, workers: Sequence[Candidate], retry: bool) -> list[Message]:
+    """AutoGen: the group-chat manager names the next speaker for the needed ability."""
+    if not workers:
+        raise MeshHealError("prompts: a speaker selection needs at least one worker")
+    again = ("The worker you named before does not hold this ability and declined the turn. " if retry else "")
+    user = (
+        f"You are the manager of a group chat of agents.\n\n{_task_block(task)}\n\n{_accepted_block(task)}\n\n"
+        f"{again}The next step needs the ability {needed.line()}. The workers and their abilities:\n"
+        f"{_candidates_block(workers)}\n\nName the ONE worker who should speak next. "
+        'Reply with one JSON object only: {"agent": <id>}.'
+    )
+    return _chat(user)
+
+
+def parse_choice(text: str, agents: Sequence[int]) -> int:
+    """The agent a router / selection reply names; ReplyParseError when none of `agents`."""
+    allowed = set(int(a) for a in agents)
+    for value in reversed(_json_values(text)):
+        if isinstance(value, dict) and "agent" in value:
+            try:
+                agent = int(str(value["agent"]).strip().removeprefix("agent").strip())
+            except ValueError:
+                continue
+            if agent in allowed:
+                return agent
+            raise ReplyParseError(f"named agent {agent} is not one of {sorted(allowed)}")
+    raise ReplyParseError('reply has no JSON object {"agent": <id>}')
+
+
+def choice_parser(agents: Sequence[int]) -> ReplyParser:
+    """Fallback -1: the method's own rule decides (AgentNet's score rule, AutoGen's random worker)."""
+    agents = tuple(int(a) for a in agents)
+    return ReplyParser("agent_choice", lambda text: parse_choice(text, agents), -1)
+
+
+def compose_messages(task: TaskText, worker_answer: str) -> list[Message]:
+    """AutoGen: the manager composes the group chat's final reply from the last worker's answer."""
+    user = (
+        f"You are the manager of a group chat of agents.\n\n{_task_block(task)}\n\n{_accepted_block(task)}\n\n"
+        f"The last worker answered:\n<<<\n{worker_answer.strip()}\n>>>\n\nCompose the group chat's "
+        f"final reply to the user from the conversation.\n{answer_format(task)}"
+    )
+    return _chat(user)
+
+
+class EvaluationReply(BaseModel):
+    """SAC: an evaluator's scores of its own answer and of another team's answer."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    own_score: float = Field(json_schema_extra={"enum": list(ANCHORS)})
+    other_score: float = Field(json_schema_extra={"enum": list(ANCHORS)})
+    one_sentence_reason: str = ""
+
+    @field_validator("own_score", "other_score", mode="before")
+    @classmethod
+    def _on_grid(cls, value: Any) -> float:
+        return snap_score(value)
+
+
+def evaluation_messages(task: TaskText, own_answer: str, other_answer: str,
+                        abilities: Sequence[AbilityRef]) -> list[Message]:  # fmt: skip
+    """SAC: score your own team's answer (the anchor) and another team's answer."""
+    user = (
+        f"You evaluate answers to this task.\n\n{_task_block(task)}\n\nYour abilities:\n"
+        f"{_abilities_block(abilities)}\n\nYour team's answer:\n<<<\n{own_answer.strip()}\n>>>\n\n"
+        f"Another team's answer:\n<<<\n{other_answer.strip()}\n>>>\n\n{_ANCHOR_TEXT}\n\nScore both "
+        "answers. Reply with one JSON object only, with the fields own_score, other_score and "
+        "one_sentence_reason."
+    )
+    return _chat(user)
+
+
+def evaluation_schema() -> dict:
+    return {
+        "type": "object",
+        "properties": {"own_score": {"type": "number", "enum": list(ANCHORS)},
+                       "other_score": {"type": "number", "enum": list(ANCHORS)},
+                       "one_sentence_reason": {"type": "string"}},
+        "required": ["own_score", "other_score", "one_sentence_reason"], "additionalProperties": False,
+    }  # fmt: skip
+
+
+def evaluation_response_format() -> dict:
+    return json_schema_format("answer_evaluation", evaluation_schema())
+
+
+def parse_evaluation(text: str) -> tuple[float, float]:
+    """(own score, other score) on the anchor grid; ReplyParseError when no JSON object validates."""
+    for value in reversed(_json_values(text)):
+        if isinstance(value, dict):
+            try:
+                reply = EvaluationReply.model_validate(value)
+            except ValidationError:
+                continue
+            return reply.own_score, reply.other_score
+    raise ReplyParseError("evaluation reply has no valid JSON object with own_score and other_score")
+
+
+def evaluation_parser() -> ReplyParser:
+    return ReplyParser("evaluation", parse_evaluation, (NEUTRAL_SCORE, NEUTRAL_SCORE))
+
+
+def refine_messages(task: TaskText, own_answer: str, retained: Sequence[str],
+                    abilities: Sequence[AbilityRef]) -> list[Message]:  # fmt: skip
+    """SAC: refine your team's answer from the other teams' answers you kept."""
+    others = "\n\n".join(f"[Answer {k}]\n{a.strip()}" for k, a in enumerate(retained, start=1)) or "(none kept)"
+    user = (
+        f"{_task_block(task)}\n\nYour abilities:\n{_abilities_block(abilities)}\n\nYour team's answer:\n"
+        f"<<<\n{own_answer.strip()}\n>>>\n\nOther teams' answers you kept after evaluation:\n{others}\n\n"
+        f"Refine your answer: check the work, use what the other answers get right, and commit ONE "
+        f"concrete final answer.\n{answer_format(task)}"
+    )
+    return _chat(user)

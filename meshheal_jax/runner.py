@@ -179,11 +179,6 @@ class Experiment:
                     "--backend live needs --strong-url and --weak-url (or --live-config FILE)"
                 )
             self.live.validate()
-            if self.baselines():
-                raise MeshHealError(
-                    f"the live backend runs MeshHeal only: the baselines ({', '.join(self.baselines())}) are "
-                    "emulated-only per-task programs so far; use --methods meshheal"
-                )  # fmt: skip
             if self.engine != "jax":
                 raise MeshHealError("the live backend drives the jax engine's controller: use --engine jax")
         elif self.live is not None:
@@ -400,12 +395,23 @@ def run_live_streams(
 
 
 def run_baseline_streams(
-    exp: Experiment, method: str, streams: list[tuple[str, str, int]]
+    exp: Experiment, method: str, streams: list[tuple[str, str, int]], run_dir: Path | None = None
 ) -> list[dict[str, pl.DataFrame]]:
     """A baseline's streams (dataset, pair, seed) of one pair: one compiled program per shape (the
-    packaged profiles share one), every dataset and seed vmapped."""
+    packaged profiles share one), every dataset and seed vmapped. Live backend: the program's calls
+    go to the servers (backends/live_baselines.py), cached in run_dir/responses.sqlite."""
     from meshheal_jax.baselines import BaselineSpec
     from meshheal_jax.baselines import run_baseline_streams as run_baseline
+
+    if exp.backend == "live":
+        from meshheal_jax.backends.live_baselines import live_baseline_tables
+
+        def run_baseline(method, specs, pair):  # noqa: F811 -- the live variant of the same call
+            questions = {d: exp.live.questions(d, exp.profiles_dir)
+                         for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
+            return live_baseline_tables(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),
+                                        questions, run_dir=run_dir / f"live-{method}-{pair_name}",
+                                        options=exp.live.options())  # fmt: skip
 
     pairs = {p for _, p, _ in streams}
     if len(pairs) != 1:
@@ -497,7 +503,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
                 if not batch:
                     continue
                 bar.update(job, description=f"{exp.name}: {method}, pair={pair}, {len(batch)} streams")
-                for stream, frames in zip(batch, run_baseline_streams(exp, method, batch)):
+                for stream, frames in zip(batch, run_baseline_streams(exp, method, batch, run_dir)):
                     _write_part(_part_dir(run_dir, method, *stream), frames)
                     bar.advance(job)
     frames = {

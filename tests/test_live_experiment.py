@@ -98,7 +98,6 @@ LIVE_AB = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "ht
     [
         (["--backend", "live"], "needs --strong-url and --weak-url"),
         (["--backend", "live", "--strong-url", "http://a/v1"], "weak model's server"),
-        ([*LIVE_AB, "--methods", "meshheal", "raps"], "MeshHeal only"),
         (["--strong-url", "http://a/v1", "--weak-url", "http://b/v1"], "add --backend live"),
         (
             [*LIVE_AB, "--methods", "meshheal", "--data", "/no/such/folder"],

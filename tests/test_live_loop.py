@@ -7,7 +7,9 @@ SDK, the real prompts, parsers, scorers and JAX controller.
 Well-formed script: inference names the documented pair (strong) or another documented pair
 (weak); a Contribute writes a partial result; a final answer is the gold (strong) or "I cannot
 tell" (weak); a strong reviewer gives 0.25 with evidence to an output saying "I cannot tell" and
-1.0 otherwise, a weak reviewer 0.5. Garbage script: every reply is plain non-JSON text.
+1.0 otherwise, a weak reviewer 0.5. The baselines' own calls: a router or manager names the
+lowest-numbered candidate; an SAC evaluation scores its own answer 1.0 and the other 0.25 when it
+says "I cannot tell", else 1.0. Garbage script: every reply is plain non-JSON text.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ def well_formed(role: str, body: dict) -> str:
         judged = content.split("Output under review:\n<<<\n", 1)[1].split("\n>>>", 1)[0]
         score = 0.5 if role == "weak" else (0.25 if WRONG in judged else 1.0)
         return review_reply(score, "finalize" if fmt == "finalize_review" else "contribute", evidence=WRONG)
+    if fmt == "agent_choice":  # baselines: a router / manager names the lowest-numbered candidate
+        return json.dumps({"agent": min(body["response_format"]["json_schema"]["schema"]["properties"]["agent"]["enum"])})
+    if fmt == "answer_evaluation":  # baselines (SAC): the other team's answer scores low iff it is the wrong one
+        other = content.split("Another team's answer:\n<<<\n", 1)[1].split("\n>>>", 1)[0]
+        return json.dumps({"own_score": 1.0, "other_score": 0.25 if WRONG in other else 1.0, "one_sentence_reason": "."})
     if CONTRIBUTE_MARK in content or PARTIAL_MARK in content:
         return "COMPETENCE_MATCH:partial\nI did my part.\nRESULT: partial result\nHANDOFF: finish the task"
     answer = _gold(content) if role == "strong" else WRONG

@@ -166,7 +166,7 @@ def test_resume_reruns_only_the_missing_method_streams(main_run, tmp_path, monke
         runner, "run_one_stream", lambda exp, *s: ran.append(("meshheal", *s)) or one(exp, *s)
     )
     monkeypatch.setattr(runner, "run_baseline_streams",
-                        lambda exp, m, streams: ran.extend((m, *s) for s in streams) or baseline(exp, m, streams))  # fmt: skip
+                        lambda exp, m, streams, *rest: ran.extend((m, *s) for s in streams) or baseline(exp, m, streams, *rest))  # fmt: skip
     results = runner.run(main_experiment(), out, progress=False)
     assert ran == [("meshheal", "math", "default", 0), ("raps", "bbh", "default", 1)]
     assert {p: (out / "parts" / p / "tasks.parquet").stat().st_mtime_ns for p in kept} == kept

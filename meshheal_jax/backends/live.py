@@ -57,6 +57,7 @@ from meshheal_jax.errors import MeshHealError
 from meshheal_jax.prompts import TEXT_PARSER, ReplyParseError, ReplyParser
 
 KINDS = ("infer", "generate", "review", "committee1", "committee2", "candidate", "synthesis")
+KINDS += ("router", "watchdog", "select", "compose", "evaluate", "refine", "cot")  # the baselines' own
 ROLES = ("strong", "weak")
 INITIAL_REVIEW_SAMPLES = 3  # the initial review's n
 SEED_SPACING = 4  # request seeds are multiples of this, > any n: sample seeds never collide

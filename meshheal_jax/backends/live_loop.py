@@ -80,6 +80,9 @@ TRACE_FILE = "live_trace.parquet"
 DEFAULT_MAX_COMPLETION_TOKENS = {
     "infer": 1024, "generate": 4096, "review": 2048, "committee1": 2048, "committee2": 2048,
     "candidate": 4096, "synthesis": 4096,
+    # the baselines' own kinds (backends/live_baselines.py)
+    "router": 1024, "watchdog": 2048, "select": 1024, "compose": 4096, "evaluate": 2048, "refine": 4096,
+    "cot": 4096,
 }  # fmt: skip
 
 

@@ -117,20 +117,27 @@ def forward_scores(params: AgentNetParams, ability_s, rate, load):
             + params.w_success * rate + params.edge_term)  # fmt: skip
 
 
-def router_decision(params: AgentNetParams, state: AgentNetState, adjacency, agent, ability, task_type,
-                    decide_ok, u_named, u_tie):  # fmt: skip
-    """The next agent (or -1 when no unpruned edge leaves `agent`) and whether a fallback was used.
-
-    decide_ok: the router LLM named the score-rule choice; otherwise it named the unpruned
-    neighbour picked by u_named, kept only if it passes the candidate filter."""
+def router_inputs(params: AgentNetParams, state: AgentNetState, adjacency, agent, ability, task_type):
+    """What the router sees: usable (N,) unpruned edges from `agent`, eligible (N,) usable and
+    passing the ability / load filter, score (N,) the forward scores."""
     load = jnp.zeros(adjacency.shape[0])  # one task in flight, held by `agent` (module docstring)
     usable = routable(params, adjacency, state.edge_weight)[agent]
     ability_s = state.ability[:, ability]
     eligible = usable & (ability_s >= params.min_ability - C.TOL) & (load < params.max_load)
-    score = forward_scores(params, ability_s, success_rate(state, task_type), load)
+    return usable, eligible, forward_scores(params, ability_s, success_rate(state, task_type), load)
+
+
+def router_decision(params: AgentNetParams, state: AgentNetState, adjacency, agent, ability, task_type,
+                    decide_ok, u_named, u_tie, named=None):  # fmt: skip
+    """The next agent (or -1 when no unpruned edge leaves `agent`) and whether a fallback was used.
+
+    decide_ok: the router LLM named the score-rule choice; otherwise it named the unpruned
+    neighbour picked by u_named (or `named`: the agent a live router named, -1 none), kept only
+    if it passes the candidate filter."""
+    usable, eligible, score = router_inputs(params, state, adjacency, agent, ability, task_type)
     best_score = jnp.max(jnp.where(eligible, score, -jnp.inf))
     best = C.pick_from_mask(u_tie, eligible & (score >= best_score - C.TOL))
-    named = C.pick_from_mask(u_named, usable)
+    named = C.pick_from_mask(u_named, usable) if named is None else jnp.asarray(named, jnp.int32)
     keep_named = ~decide_ok & (named >= 0) & eligible[jnp.maximum(named, 0)]
     chosen = jnp.where(keep_named, named, best)
     fallback = C.pick_from_mask(u_tie, usable)  # the code's random neighbour when none is eligible
@@ -189,17 +196,29 @@ def task_step(params: AgentNetParams, emu: C.Emu, world: C.World, state: AgentNe
     inferred, pair_ok, call_infer = C.emulate_infer(emu, world, entry, t, ty, d.infer)
     required = world.pair_abilities[inferred]
 
-    def choose(mstate, path, v, missing):
+    def choose(mstate, path, v, missing, valid):
         uc = control[jnp.minimum(path.moves, C.N_CONTROL - 1)]
         s = C.pick_from_mask(d.route[v, D.HOP_ABILITY], missing)
         role = C.role_of(world, path.agent, -1, t)
-        decide_ok = (uc[D.U_MAIN] < emu.p_decide[role]) | (not params.router_uses_p_decide)
-        j, _ = router_decision(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty, decide_ok,
-                               uc[D.U_AUX], d.route[v, D.HOP_TIE])  # fmt: skip
-        call = C.make_call(True, C.K_ROUTER, v, path.agent, role,
-                           emu.prompt[role, C.K_ROUTER] + emu.question_tokens + path.draft_tokens,
-                           C.completion_tokens(emu, role, C.K_ROUTER, uc[D.U_TOKENS]), ability=s,
-                           correct=(j >= 0) & world.holds[jnp.maximum(j, 0), jnp.maximum(s, 0)])  # fmt: skip
+        if emu.live:  # the router LLM names a neighbour; one it may not use -> the score rule
+            usable, eligible, score = router_inputs(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty)
+            r = C.live_reply("router", world, t, valid & (s >= 0) & usable.any(), after=path.draft_tokens,
+                             agent=path.agent, role=role, ability=s, visit=v, execution=0,
+                             vectors={"usable": usable, "eligible": eligible, "score": score,
+                                      "estimate": state.ability[:, jnp.maximum(s, 0)],
+                                      "rate": success_rate(state, ty)})  # fmt: skip
+            j, _ = router_decision(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty, False,
+                                   uc[D.U_AUX], d.route[v, D.HOP_TIE], named=r.choice)  # fmt: skip
+            prompt, completion, request = r.prompt, r.completion, r.request
+        else:
+            decide_ok = (uc[D.U_MAIN] < emu.p_decide[role]) | (not params.router_uses_p_decide)
+            j, _ = router_decision(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty, decide_ok,
+                                   uc[D.U_AUX], d.route[v, D.HOP_TIE])  # fmt: skip
+            prompt = emu.prompt[role, C.K_ROUTER] + emu.question_tokens + path.draft_tokens
+            completion, request = C.completion_tokens(emu, role, C.K_ROUTER, uc[D.U_TOKENS]), -1
+        call = C.make_call(True, C.K_ROUTER, v, path.agent, role, prompt, completion, ability=s,
+                           correct=(j >= 0) & world.holds[jnp.maximum(j, 0), jnp.maximum(s, 0)],
+                           request=request)  # fmt: skip
         return mstate, C.Hop(j, jnp.where(j < 0, C.E_NO_ROUTE, C.E_NONE).astype(jnp.int32), call)
 
     _, path, calls, reviews = C.run_path(

@@ -100,16 +100,24 @@ def task_step(
         named, tries = [], []
         for attempt in range(1 + params.selection_retries):
             u = control[2 * k + attempt]
-            ok = u[D.U_MAIN] < emu.p_decide[role_m]
-            w = speaker_selection(world.holds, workers, s, ok, u[D.U_AUX])
             asked = jnp.bool_(True) if attempt == 0 else ~world.holds[named[-1], s]
             if attempt > 0:
                 asked = asked & tries[-1]
+            if emu.live:  # the manager names a worker; a reply naming none -> a uniform worker
+                r = C.live_reply("select", world, t, asked, after=draft_tokens, agent=m, role=role_m, ability=s,
+                                 visit=visit, attempt=attempt, execution=0, vectors={"workers": workers})  # fmt: skip
+                fallback = C.pick_from_mask(u[D.U_AUX], workers)
+                w = jnp.where((r.choice >= 0) & workers[jnp.maximum(r.choice, 0)], r.choice, fallback)
+                prompt, completion, request = r.prompt, r.completion, r.request
+            else:
+                ok = u[D.U_MAIN] < emu.p_decide[role_m]
+                w = speaker_selection(world.holds, workers, s, ok, u[D.U_AUX])
+                prompt = emu.prompt[role_m, C.K_SELECT] + emu.question_tokens + draft_tokens
+                completion, request = C.completion_tokens(emu, role_m, C.K_SELECT, u[D.U_TOKENS]), -1
+            if attempt > 0:
                 w = jnp.where(asked, w, named[-1])
-            prompt = emu.prompt[role_m, C.K_SELECT] + emu.question_tokens + draft_tokens
-            calls.append(C.make_call(asked, C.K_SELECT, visit, m, role_m, prompt,
-                                     C.completion_tokens(emu, role_m, C.K_SELECT, u[D.U_TOKENS]), ability=s,
-                                     correct=world.holds[w, s].astype(jnp.int32)))  # fmt: skip
+            calls.append(C.make_call(asked, C.K_SELECT, visit, m, role_m, prompt, completion, ability=s,
+                                     correct=world.holds[w, s].astype(jnp.int32), request=request))  # fmt: skip
             actions.append(jnp.where(asked, C.A_SELECT if attempt == 0 else C.A_RESELECT, -1))
             named.append(w)
             tries.append(asked)
@@ -123,12 +131,18 @@ def task_step(
         if not finalize:
             draft_ok, draft_tokens = draft_ok & gen.part_ok, draft_tokens + gen.tokens
     u = control[2 * PARTS]
-    ok, answer_id = compose(p_corrupt[role_m], gen.answer_ok, gen.answer_id, u[D.U_MAIN],
-                            C.distractor(emu, role_m, u[D.U_DISTRACTOR]))  # fmt: skip
-    prompt = emu.prompt[role_m, C.K_COMPOSE] + emu.question_tokens + draft_tokens + gen.tokens
-    calls.append(C.make_call(True, C.K_COMPOSE, 2 * PARTS, m, role_m, prompt,
-                             C.completion_tokens(emu, role_m, C.K_COMPOSE, u[D.U_TOKENS]), author=m,
-                             answer_id=answer_id, correct=ok.astype(jnp.int32)))  # fmt: skip
+    if emu.live:  # the manager composes the reply from the finalizing worker's answer (visit 2·PARTS − 1)
+        r = C.live_reply("compose", world, t, True, after=gen.tokens, agent=m, role=role_m, visit=2 * PARTS,
+                         judged_visit=2 * PARTS - 1, execution=0)  # fmt: skip
+        answer_id, prompt, completion, request = r.answer_id, r.prompt, r.completion, r.request
+        ok = answer_id == 0
+    else:
+        ok, answer_id = compose(p_corrupt[role_m], gen.answer_ok, gen.answer_id, u[D.U_MAIN],
+                                C.distractor(emu, role_m, u[D.U_DISTRACTOR]))  # fmt: skip
+        prompt = emu.prompt[role_m, C.K_COMPOSE] + emu.question_tokens + draft_tokens + gen.tokens
+        completion, request = C.completion_tokens(emu, role_m, C.K_COMPOSE, u[D.U_TOKENS]), -1
+    calls.append(C.make_call(True, C.K_COMPOSE, 2 * PARTS, m, role_m, prompt, completion, author=m,
+                             answer_id=answer_id, correct=ok.astype(jnp.int32), request=request))  # fmt: skip
     actions.append(C.A_COMPOSE)
     route_arr = jnp.stack([jnp.asarray(a, jnp.int32) for a in route] + [jnp.int32(C.ROUTE_SEP)])
     out = C.TaskOut(

@@ -22,6 +22,7 @@ thresholds of the model files. Uniforms are float64, counts int32.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -236,6 +237,7 @@ class Emu:
     completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
     prompt: jax.Array  # (2, len(KINDS)) int32 template tokens
     question_tokens: jax.Array  # () int32
+    live: bool = static_field(False)  # True: the calls go to the live host (`live_reply`), not the emulator
 
 
 def hop_distances(holds: np.ndarray, adjacency: np.ndarray) -> np.ndarray:
@@ -273,7 +275,7 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> Wo
     )  # fmt: skip
 
 
-def make_emu(pair: Pair, profile: Profile) -> Emu:
+def make_emu(pair: Pair, profile: Profile, live: bool = False) -> Emu:
     models = (pair.strong, pair.weak)
     if pair.strong.n_distractors != pair.weak.n_distractors:
         raise MeshHealError("both models of a pair must have the same n_distractors")
@@ -286,7 +288,7 @@ def make_emu(pair: Pair, profile: Profile) -> Emu:
         distractor_thr=f([m.distractor_thresholds() for m in models]),
         completion=on_device([[m.completion_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], np.int32),
         prompt=on_device([[m.prompt_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], np.int32),
-        question_tokens=on_device(profile.question_tokens, np.int32),
+        question_tokens=on_device(profile.question_tokens, np.int32), live=live,
     )  # fmt: skip
 
 
@@ -308,6 +310,80 @@ def last_true(mask):
 
 def select_tree(cond, a, b):
     return jax.tree_util.tree_map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# The live backend's hook (emu.live): the calls of one call site, for every stream at once
+# ------------------------------------------------------------------------------------------------
+
+# What every live call returns (unused fields keep their defaults): review-like scores, the judged
+# final answer's id (0 = gold, k >= 1 = the k-th distinct wrong answer of the task, decisions B7),
+# a named agent, the inferred pair, the real token counts and the request id (its trace row).
+REPLY_FIELDS = {
+    "score": np.float64, "own_score": np.float64, "answer_id": np.int32, "choice": np.int32,
+    "pair": np.int32, "prompt": np.int32, "completion": np.int32, "request": np.int32,
+}  # fmt: skip
+LIVE_OPS = ("infer", "generate", "watchdog", "router", "select", "compose", "evaluate", "refine")
+
+
+class LiveReply(NamedTuple):
+    score: jax.Array
+    own_score: jax.Array
+    answer_id: jax.Array
+    choice: jax.Array
+    pair: jax.Array
+    prompt: jax.Array
+    completion: jax.Array
+    request: jax.Array
+
+
+_HOST: list = [None]  # the host answering live calls while `live_host(host)` is active
+
+
+@contextlib.contextmanager
+def live_host(host):
+    """Make `host` (backends.live_baselines.LiveBaselineHost) answer the live calls of the
+    programs run inside the block."""
+    if _HOST[0] is not None:
+        raise MeshHealError("a live baseline run is already in progress in this process")
+    _HOST[0] = host
+    try:
+        yield host
+    finally:
+        _HOST[0] = None
+
+
+def _answer(op: str, valid, scalars, vectors):
+    host = _HOST[0]
+    out = host.answer(op, np.asarray(valid), {k: np.asarray(v) for k, v in scalars.items()},
+                      {k: np.asarray(v) for k, v in vectors.items()})  # fmt: skip
+    shape = np.shape(valid)
+    return {k: np.broadcast_to(np.asarray(out.get(k, _DEFAULTS[k]), dtype), shape).astype(dtype)
+            for k, dtype in REPLY_FIELDS.items()}  # fmt: skip
+
+
+_DEFAULTS = {"score": np.nan, "own_score": np.nan, "answer_id": -1, "choice": -1, "pair": -1, "prompt": 0,
+             "completion": 0, "request": -1}  # fmt: skip
+
+
+def live_reply(op: str, world: World, t, valid, *, after=0, vectors=None, **fields) -> LiveReply:
+    """The live calls of one call site: one per True element of `valid` (any shape; vmap over
+    streams adds leading axes and the host receives them all in one callback, so they go out as
+    one batch). `fields` are per-call scalars broadcast to valid's shape; `vectors` per-call
+    vectors (valid's shape + (K,)); `after` any value the call must wait for (a data dependency:
+    the texts it reads were written by the calls that produced it)."""
+    if op not in LIVE_OPS:
+        raise MeshHealError(f"unknown live call {op!r}")
+    valid = jnp.asarray(valid, bool)
+    shape = valid.shape
+    wait = jnp.sum(jnp.asarray(after, jnp.float64))
+    scalars = {"seed": world.seed, "dataset_id": world.dataset_id, "t": t, "after": wait, **fields}
+    scalars = {k: jnp.broadcast_to(jnp.asarray(v), shape) for k, v in scalars.items()}
+    vectors = {k: jnp.broadcast_to(jnp.asarray(v), shape + jnp.shape(v)[-1:]) for k, v in (vectors or {}).items()}
+    result = {k: jax.ShapeDtypeStruct(shape, dtype) for k, dtype in REPLY_FIELDS.items()}
+    out = jax.pure_callback(functools.partial(_answer, op), result, valid, scalars, vectors,
+                            vmap_method="broadcast_all")  # fmt: skip
+    return LiveReply(**out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,17 +436,18 @@ class Call:
     score: jax.Array  # float64, NaN where the kind has no score
     answer_id: jax.Array  # final-answer id carried by the call, -1 none
     correct: jax.Array  # latent truth for the trace: 1 / 0, -1 none
+    request: jax.Array  # the live host's request id (its trace row), -1 emulated
 
 
 def make_call(valid, kind, visit, agent, role, prompt, completion, *, author=-1, ability=-1,
-              score=jnp.nan, answer_id=-1, correct=-1) -> Call:  # fmt: skip
+              score=jnp.nan, answer_id=-1, correct=-1, request=-1) -> Call:  # fmt: skip
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     valid = jnp.asarray(valid, dtype=bool)
     call = Call(
         valid=valid, kind=i32(kind), visit=i32(visit), agent=i32(agent), author=i32(author),
         ability=i32(ability), role=i32(role), prompt=jnp.where(valid, i32(prompt), 0),
         completion=jnp.where(valid, i32(completion), 0), score=jnp.asarray(score, jnp.float64),
-        answer_id=i32(answer_id), correct=i32(correct),
+        answer_id=i32(answer_id), correct=i32(correct), request=i32(request),
     )  # fmt: skip
     return broadcast(call)
 
@@ -426,10 +503,16 @@ def flatten(tree):
     return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
 
-def emulate_infer(emu: Emu, world: World, agent, t, task_type, u_infer, visit=0, valid=True):
+def emulate_infer(emu: Emu, world: World, agent, t, task_type, u_infer, visit=0, valid=True, execution=0):
     """InferAbilities by `agent` (no ability: strong iff healthy). Returns (pair, pair_ok, call)."""
     role = role_of(world, agent, -1, t)
     true_pair = world.true_pair[task_type]
+    if emu.live:
+        r = live_reply("infer", world, t, valid, agent=agent, role=role, execution=execution, visit=visit)
+        ok = r.pair == true_pair
+        call = make_call(valid, K_INFER, visit, agent, role, r.prompt, r.completion, correct=ok.astype(jnp.int32),
+                         request=r.request)  # fmt: skip
+        return jnp.where(r.pair >= 0, r.pair, true_pair).astype(jnp.int32), ok, call
     others = world.pair_valid & (jnp.arange(world.pair_valid.shape[0]) != true_pair)
     ok = (u_infer[D.INFER_CORRECT] < emu.p_infer[role]) | ~others.any()
     inferred = jnp.where(ok, true_pair, pick_from_mask(u_infer[D.INFER_WRONG_PAIR], others)).astype(jnp.int32)
@@ -449,9 +532,20 @@ class Generation(NamedTuple):
 
 
 def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, finalize, pair_ok, draft_ok,
-                     draft_tokens, u, visit, valid=True, kind=K_GENERATE) -> tuple[Generation, Call]:  # fmt: skip
-    """A Contribute part or a Finalize answer (decisions E4, E6, E7)."""
+                     draft_tokens, u, visit, valid=True, kind=K_GENERATE, execution=0) -> tuple[Generation, Call]:  # fmt: skip
+    """A Contribute part or a Finalize answer (decisions E4, E6, E7). Live: the answer is judged
+    against the gold by the host; a part has no gold (part_ok False), as in MeshHeal's live records."""
     role = role_of(world, agent, ability, t)
+    if emu.live:
+        finalize = jnp.asarray(finalize, bool)
+        r = live_reply("generate", world, t, valid, after=draft_tokens, agent=agent, role=role, ability=ability,
+                       finalize=finalize, kind=kind, execution=execution, visit=visit)  # fmt: skip
+        answer_id = jnp.where(finalize, r.answer_id, -1).astype(jnp.int32)
+        answer_ok = finalize & (answer_id == 0)
+        call = make_call(valid, kind, visit, agent, role, r.prompt, r.completion, author=agent, ability=ability,
+                         answer_id=answer_id, correct=jnp.where(finalize, answer_ok.astype(jnp.int32), -1),
+                         request=r.request)  # fmt: skip
+        return Generation(jnp.bool_(False) & finalize, answer_ok, answer_id, role, r.completion), call
     q = world.difficulty[t - 1]  # the question's difficulty bin
     part_ok = u[D.U_MAIN] < emu.p_part[role, task_type, q]
     answer_ok = jnp.where(
@@ -534,17 +628,18 @@ class Hop(NamedTuple):
     call: Call
 
 
-Arrive = Callable  # (mstate, path, visit) -> (mstate, Call, Review)
-Choose = Callable  # (mstate, path, visit, missing) -> (mstate, Hop)
+Arrive = Callable  # (mstate, path, visit, valid) -> (mstate, Call, Review)
+Choose = Callable  # (mstate, path, visit, missing, valid) -> (mstate, Hop)
+# `valid`: whether the hook's call is really made (a live hook sends only those)
 
 
-def no_arrival(mstate, path, visit):
+def no_arrival(mstate, path, visit, valid):
     return mstate, no_call(), no_review()
 
 
 def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_calls, *, choose: Choose,
              arrive: Arrive = no_arrival, mstate=None, budget: Budget = Budget(), forward_limit: int | None = None,
-             move_action: int = A_HANDOFF):  # fmt: skip
+             move_action: int = A_HANDOFF, execution=0):  # fmt: skip
     """Route one task from `entry` until a Finalize (or a budget/route failure).
 
     Per visit v (= moves on arrival): the on-arrival hook (e.g. the receiver's watchdog on the
@@ -558,7 +653,7 @@ def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_c
         mstate, path = carry
         active = ~path.done
         # 1. the on-arrival hook sees the pending output
-        new_m, call_a, review = arrive(mstate, path, v)
+        new_m, call_a, review = arrive(mstate, path, v, active & path.pending)
         mstate = select_tree(active & path.pending, new_m, mstate)
         call_a = dataclasses.replace(call_a, valid=call_a.valid & active & path.pending)
         review = dataclasses.replace(review, valid=review.valid & active & path.pending)
@@ -571,7 +666,8 @@ def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_c
         s = first_true(held)
         finalize = ~jnp.any(missing & ~held)
         gen, call_g = emulate_generate(emu, world, t, task_type, i, s, finalize, pair_ok, path.draft_ok,
-                                       path.draft_tokens, u_calls[v, D.GENERATE], v, valid=work)  # fmt: skip
+                                       path.draft_tokens, u_calls[v, D.GENERATE], v, valid=work,
+                                       execution=execution)  # fmt: skip
         finished = work & finalize
         contributed = work & ~finalize
         path = _log(path, jnp.where(finalize, A_FINALIZE, A_CONTRIBUTE), work)
@@ -601,7 +697,7 @@ def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_c
         over_forwards = jnp.bool_(False) if forward_limit is None else path.moves + 1 > forward_limit
         ask = need & ~over_budget & ~over_forwards
         missing = required & ~path.covered
-        new_m, hop = choose(mstate, path, v, missing)
+        new_m, hop = choose(mstate, path, v, missing, ask)
         mstate = select_tree(ask, new_m, mstate)
         call_c = dataclasses.replace(hop.call, valid=hop.call.valid & ask)
         failed = need & (over_budget | over_forwards | (hop.agent < 0))
@@ -642,7 +738,7 @@ def shortest_path_hop(world: World, agent, missing, u_route_v) -> tuple[jax.Arra
 def default_choose(world: World, u_route):
     """The shared routing as a run_path hook (no model call)."""
 
-    def choose(mstate, path, v, missing):
+    def choose(mstate, path, v, missing, valid):
         j, end = shortest_path_hop(world, path.agent, missing, u_route[v])
         return mstate, Hop(j, end, no_call())
 
@@ -687,9 +783,11 @@ def _maybe(x, none_if):
 
 
 def tables(
-    out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict
+    out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict, trace: dict | None = None
 ) -> dict[str, list[dict]]:
-    """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as lists of row dicts."""
+    """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as lists of row dicts.
+    `trace` (live): request id -> the live trace row, whose model, latency and parse status the
+    calls table takes."""
     models = (pair.strong.model, pair.weak.model)
     degraded = schedule.degraded_matrix()
     calls_rows, review_rows, task_rows = [], [], []
@@ -700,11 +798,14 @@ def tables(
         score = float(c.score[k, slot])
         answer_id = int(c.answer_id[k, slot])
         correct = int(c.correct[k, slot])
+        real = trace.get(int(c.request[k, slot])) if trace is not None else None
+        model = real["model_id"] if real is not None else models[int(c.role[k, slot])]
+        latency, status = (real["latency_s"], real["parse_status"]) if real is not None else (0.0, "ok")
         calls_rows.append(dict(
             labels, t=t, visit=int(c.visit[k, slot]), kind=KINDS[kind], agent=int(c.agent[k, slot]),
-            author=int(c.author[k, slot]), ability=int(c.ability[k, slot]), model=models[int(c.role[k, slot])],
-            prompt_tokens=int(c.prompt[k, slot]), completion_tokens=int(c.completion[k, slot]), latency_s=0.0,
-            parse_status="ok", score=_maybe(score, kind not in SCORED_KINDS or np.isnan(score)),
+            author=int(c.author[k, slot]), ability=int(c.ability[k, slot]), model=model,
+            prompt_tokens=int(c.prompt[k, slot]), completion_tokens=int(c.completion[k, slot]), latency_s=latency,
+            parse_status=status, score=_maybe(score, kind not in SCORED_KINDS or np.isnan(score)),
             answer_id=_maybe(answer_id, answer_id < 0), correct=_maybe(bool(correct), correct < 0),
         ))  # fmt: skip
     r = out.reviews

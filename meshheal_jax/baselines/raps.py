@@ -104,24 +104,30 @@ def task_step(params: RAPSParams, emu: C.Emu, world: C.World, state: RAPSState, 
     inferred, pair_ok, call_infer = C.emulate_infer(emu, world, entry, t, ty, d.infer)
     required = world.pair_abilities[inferred]
 
-    def arrive(mstate, path, v):
+    def arrive(mstate, path, v, valid):
         receiver, author, s = path.agent, path.out_author, path.out_ability
         if params.judge_rule == "caller":
             role = C.role_of(world, receiver, -1, t)
         else:
             role = C.role_of(world, receiver, s, t)
         u = d.calls[path.out_visit, D.REVIEW_SAMPLES[0]]
-        score = C.review_score(emu, world, t, role, path.out_role, path.out_ok, u[D.U_MAIN])
+        if emu.live:  # the receiver's review of the output it received (its text: the author's visit)
+            r = C.live_reply("watchdog", world, t, valid, after=path.out_tokens, agent=receiver, role=role,
+                             author=author, ability=s, visit=v, judged_visit=path.out_visit, execution=0)  # fmt: skip
+            score, prompt, completion, request, correct = r.score, r.prompt, r.completion, r.request, -1
+        else:
+            score = C.review_score(emu, world, t, role, path.out_role, path.out_ok, u[D.U_MAIN])
+            prompt = emu.prompt[role, C.K_WATCHDOG] + emu.question_tokens + path.out_context + path.out_tokens
+            completion = C.completion_tokens(emu, role, C.K_WATCHDOG, u[D.U_TOKENS])
+            request, correct = -1, path.out_ok.astype(jnp.int32)
         bad = watchdog_verdict(params, score)
         mstate = beta_update(params, mstate, receiver, jnp.maximum(author, 0), bad)
-        prompt = emu.prompt[role, C.K_WATCHDOG] + emu.question_tokens + path.out_context + path.out_tokens
-        call = C.make_call(True, C.K_WATCHDOG, v, receiver, role, prompt,
-                           C.completion_tokens(emu, role, C.K_WATCHDOG, u[D.U_TOKENS]), author=author, ability=s,
-                           score=score, correct=path.out_ok.astype(jnp.int32))  # fmt: skip
+        call = C.make_call(True, C.K_WATCHDOG, v, receiver, role, prompt, completion, author=author, ability=s,
+                           score=score, correct=correct, request=request)  # fmt: skip
         review = C.make_review(True, C.R_WATCHDOG, v, author, s, receiver, score, path.out_role, path.out_ok)
         return mstate, call, review
 
-    def choose(mstate, path, v, missing):
+    def choose(mstate, path, v, missing, valid):
         s = C.pick_from_mask(d.route[v, D.HOP_ABILITY], missing)
         j, _ = broker_choice(params, mstate, world.holds, world.adjacency, path.agent, jnp.maximum(s, 0),
                              d.route[v, D.HOP_TIE])  # fmt: skip

@@ -64,8 +64,10 @@ def _run_streams(method: str, params, emus: C.Emu, worlds: C.World, uniforms: C.
 _run = C.cpu_jit(_run_streams, static_argnums=(0, 5))
 
 
-def simulate(method: str, specs: list, pair: Pair | str, params=None):
-    """The compiled run: (final states, TaskOut records) as numpy, leading axis = streams."""
+def simulate(method: str, specs: list, pair: Pair | str, params=None, live=None):
+    """The compiled run: (final states, TaskOut records) as numpy, leading axis = streams.
+    `live`: a backends.live_baselines.LiveBaselineHost that answers every call instead of the
+    emulator (its error, if a call failed, is raised here)."""
     if method not in METHODS:
         raise MeshHealError(f"unknown baseline {method!r}; known: {sorted(METHODS)}")
     if not specs:
@@ -86,15 +88,22 @@ def simulate(method: str, specs: list, pair: Pair | str, params=None):
             raise MeshHealError(f"AutoGen: manager {params.manager} is not an agent of 0..{n_agents - 1}")
     elif method in ("sac", "symphony"):
         params.check(n_agents)
-    emus = host_stack([C.make_emu(pair, s.network.profile) for s in specs])
+    emus = host_stack([C.make_emu(pair, s.network.profile, live=live is not None) for s in specs])
     worlds = host_stack([C.make_world(s.network, s.stream, s.schedule) for s in specs])
     uniforms = host_stack([C.stream_uniforms(s.stream.seed, s.stream.dataset_id, n_tasks) for s in specs])
-    states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)
+    if live is None:
+        states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)
+    else:
+        with C.live_host(live):
+            states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)
+            jax.block_until_ready(outs)
+        if live.error is not None:
+            raise live.error
     return jax.tree_util.tree_map(np.asarray, states), jax.tree_util.tree_map(np.asarray, outs)
 
 
 def run_baseline_streams(
-    method: str, specs: list, pair: Pair | str, params=None
+    method: str, specs: list, pair: Pair | str, params=None, live=None
 ) -> list[dict[str, list[dict]]]:
     """Run `method` on every stream (one compiled, vmapped program); per stream the four tables
     (tasks, reviews, states, calls) as lists of row dicts with the columns of metrics.SCHEMAS.
@@ -102,10 +111,11 @@ def run_baseline_streams(
     specs: objects with .network, .stream, .schedule, .labels (or 4-tuples in that order); labels
     carry method / dataset / pair / seed (method defaults to the baseline's name)."""
     pair = load_pair(pair) if isinstance(pair, str) else pair
-    _, outs = simulate(method, specs, pair, params)
+    _, outs = simulate(method, specs, pair, params, live)
+    trace = None if live is None else {row["request"]: row for row in live.trace}
     results = []
     for k, spec in enumerate(_spec(s) for s in specs):
         labels = {"method": method, **spec.labels}
         one = jax.tree_util.tree_map(lambda x, k=k: x[k], outs)
-        results.append(C.tables(one, spec.stream, spec.schedule, pair, labels))
+        results.append(C.tables(one, spec.stream, spec.schedule, pair, labels, trace))
     return results

@@ -41,6 +41,7 @@ from meshheal_jax.baselines import common as C
 from meshheal_jax.errors import MeshHealError
 
 METHOD = "sac"
+NEUTRAL_ANCHOR = 0.5  # live: the anchor of a team that evaluated no other answer (prompts.NEUTRAL_SCORE)
 
 
 @C.pytree
@@ -133,13 +134,15 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
         entries.append(C.pick_index(dk.entry, n_agents) if k == 0 else C.pick_from_mask(dk.entry, free))
     draws = C.stack(team_draws)
 
-    def team(entry, dk):
-        inferred, pair_ok, call_infer = C.emulate_infer(emu, world, entry, t, ty, dk.infer)
+    def team(entry, dk, k):
+        inferred, pair_ok, call_infer = C.emulate_infer(emu, world, entry, t, ty, dk.infer, execution=k)
         _, path, calls, _ = C.run_path(emu, world, t, ty, entry, world.pair_abilities[inferred], pair_ok, dk.calls,
-                                       choose=C.default_choose(world, dk.route), budget=params.budget)  # fmt: skip
+                                       choose=C.default_choose(world, dk.route), budget=params.budget,
+                                       execution=k)  # fmt: skip
         return inferred, pair_ok, path, C.concat([C.stack([call_infer]), calls])
 
-    inferred, pair_ok, paths, path_calls = jax.vmap(team)(jnp.stack(entries), draws)
+    team_ids = jnp.arange(n, dtype=jnp.int32)
+    inferred, pair_ok, paths, path_calls = jax.vmap(team)(jnp.stack(entries), draws, team_ids)
     answered, ok, ids = paths.answered, paths.answer_ok, paths.answer_id
     roles, tokens, fin, fin_s = paths.answer_role, paths.answer_tokens, paths.finalizer, paths.fin_ability
     others = jnp.asarray(others_table(n))
@@ -148,8 +151,8 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
     round_calls, round_reviews, anchor = [], [], jnp.zeros(n)
     visit = jnp.max(paths.moves) + 1  # (records only) after the teams' executions
     fin_o, s_o = fin[others], fin_s[others]  # (n, n-1) the judged teams' finalizers / abilities
-    for r in range(params.rounds):
-        u = u_sac[r]  # (n, n + 1, 4): evaluations, refinement, anchor
+    for r_ in range(params.rounds):
+        u = u_sac[r_]  # (n, n + 1, 4): evaluations, refinement, anchor
         u_eval, u_ref, u_anchor = u[:, : n - 1], u[:, n - 1], u[:, n]
         if params.judge_rule == "caller":
             judge_self = C.role_of(world, f, -1, t)
@@ -157,26 +160,48 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
         else:
             judge_self = C.role_of(world, f, s_f, t)
             judge = C.role_of(world, f[:, None], jnp.maximum(s_o, 0), t)
-        anchor = C.review_score(emu, world, t, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
         valid = answered[:, None] & answered[others]
-        scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
+        refiner = C.role_of(world, f, s_f, t)
+        if emu.live:
+            # each evaluation call scores the evaluator's own answer and another team's; the
+            # anchor is the own score of the team's first evaluation (0.5 when it made none)
+            r = C.live_reply("evaluate", world, t, valid, after=tokens, agent=fin[:, None], role=judge,
+                             author=fin_o, ability=s_o, team=team_ids[:, None], other=others, round=r_,
+                             visit=visit, execution=team_ids[:, None])  # fmt: skip
+            scores, eval_prompt, eval_completion, eval_request = r.score, r.prompt, r.completion, r.request
+            first = jnp.argmax(valid, axis=1)
+            anchor = jnp.where(valid.any(axis=1), r.own_score[team_ids, first], NEUTRAL_ANCHOR)
+        else:
+            anchor = C.review_score(emu, world, t, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
+            scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
+            eval_completion = C.completion_tokens(emu, judge, C.K_EVALUATE, u_eval[..., D.U_TOKENS])
+            eval_prompt = emu.prompt[judge, C.K_EVALUATE] + emu.question_tokens + tokens[:, None] + tokens[others]
+            eval_request = -1
         dropped = filter_answers(params.max_filtered, scores, anchor, valid)
         retained = valid & ~dropped
-        eval_completion = C.completion_tokens(emu, judge, C.K_EVALUATE, u_eval[..., D.U_TOKENS])
-        eval_prompt = emu.prompt[judge, C.K_EVALUATE] + emu.question_tokens + tokens[:, None] + tokens[others]
         # refinement by each team's finalizer (all teams at once, from the round's start answers)
-        refiner = C.role_of(world, f, s_f, t)
-        new_ok = refine_outcome(ok, jnp.any(retained & ok[others], axis=1), u_ref[:, D.U_MAIN],
-                                emu.p_keep[refiner], emu.p_fix[refiner]) & answered  # fmt: skip
-        wrong_id = jnp.where(ok, C.distractor(emu, refiner, u_ref[:, D.U_DISTRACTOR]), ids)
-        new_ids = jnp.where(answered, jnp.where(new_ok, 0, wrong_id), -1).astype(jnp.int32)
-        ref_completion = C.completion_tokens(emu, refiner, C.K_REFINE, u_ref[:, D.U_TOKENS])
-        ref_prompt = (emu.prompt[refiner, C.K_REFINE] + emu.question_tokens + tokens
-                      + jnp.sum(jnp.where(retained, tokens[others], 0), axis=1))  # fmt: skip
+        if emu.live:
+            kept = jnp.zeros((n, n), bool).at[team_ids[:, None], others].set(retained)  # (team, team kept)
+            r = C.live_reply("refine", world, t, answered, after=scores, agent=fin, role=refiner, ability=fin_s,
+                             team=team_ids, round=r_, visit=visit, execution=team_ids, vectors={"kept": kept})  # fmt: skip
+            new_ids = jnp.where(answered, r.answer_id, -1).astype(jnp.int32)
+            new_ok = answered & (new_ids == 0)
+            ref_prompt, ref_completion, ref_request = r.prompt, r.completion, r.request
+        else:
+            new_ok = refine_outcome(ok, jnp.any(retained & ok[others], axis=1), u_ref[:, D.U_MAIN],
+                                    emu.p_keep[refiner], emu.p_fix[refiner]) & answered  # fmt: skip
+            wrong_id = jnp.where(ok, C.distractor(emu, refiner, u_ref[:, D.U_DISTRACTOR]), ids)
+            new_ids = jnp.where(answered, jnp.where(new_ok, 0, wrong_id), -1).astype(jnp.int32)
+            ref_completion = C.completion_tokens(emu, refiner, C.K_REFINE, u_ref[:, D.U_TOKENS])
+            ref_prompt = (emu.prompt[refiner, C.K_REFINE] + emu.question_tokens + tokens
+                          + jnp.sum(jnp.where(retained, tokens[others], 0), axis=1))  # fmt: skip
+            ref_request = -1
         evaluations = C.make_call(valid, C.K_EVALUATE, visit, fin[:, None], judge, eval_prompt, eval_completion,
-                                  author=fin_o, ability=s_o, score=scores, correct=ok[others].astype(jnp.int32))  # fmt: skip
+                                  author=fin_o, ability=s_o, score=scores, request=eval_request,
+                                  correct=-1 if emu.live else ok[others].astype(jnp.int32))  # fmt: skip
         refinements = C.make_call(answered, C.K_REFINE, visit, fin, refiner, ref_prompt, ref_completion, author=fin,
-                                  ability=fin_s, answer_id=new_ids, correct=new_ok.astype(jnp.int32))  # fmt: skip
+                                  ability=fin_s, answer_id=new_ids, correct=new_ok.astype(jnp.int32),
+                                  request=ref_request)  # fmt: skip
         per_team = jax.tree_util.tree_map(lambda e, f_: jnp.concatenate([e, f_[:, None]], axis=1),
                                           evaluations, refinements)  # fmt: skip
         round_calls.append(C.flatten(per_team))  # per team: its evaluations, then its refinement

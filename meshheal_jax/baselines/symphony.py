@@ -213,13 +213,14 @@ def task_step(
     plan_rank = jnp.asarray(list(range(params.n_plans)) + list(range(params.n_extra)), jnp.int32) % n
     plan_kind = jnp.where(jnp.arange(total) < params.n_plans, C.K_GENERATE, C.K_COT)
 
-    def run_plan(rank, u, kind):
+    def run_plan(rank, u, kind, plan, valid):
         """One plan: the first ability's executor contributes, the second's finalizes."""
         executors = rankings[:, rank]  # (2,)
         first, call_a = C.emulate_generate(emu, world, t, ty, executors[0], abilities[0], False, pair_ok, True, 0,
-                                           u[0], 1, kind=kind)  # fmt: skip
+                                           u[0], 1, kind=kind, valid=valid, execution=plan)  # fmt: skip
         last, call_b = C.emulate_generate(emu, world, t, ty, executors[1], abilities[1], True, pair_ok,
-                                          first.part_ok, first.tokens, u[1], 2, kind=kind)  # fmt: skip
+                                          first.part_ok, first.tokens, u[1], 2, kind=kind, valid=valid,
+                                          execution=plan)  # fmt: skip
         return (
             executors,
             jnp.stack([first.role, last.role]),
@@ -228,10 +229,18 @@ def task_step(
             C.stack([call_a, call_b]),
         )
 
-    executors, roles, oks, ids, plan_calls = jax.vmap(run_plan)(plan_rank, u_gen, plan_kind)
-    first = jnp.arange(total) < params.n_plans
-    _, _, share, majority = vote(ids, first)
+    plans = jnp.arange(total, dtype=jnp.int32)
+    first = plans < params.n_plans
+    head = slice(0, params.n_plans)
+    results = jax.vmap(run_plan)(plan_rank[head], u_gen[head], plan_kind[head], plans[head], first[head])
+    _, _, share, majority = vote(results[3], first[head])
     rerun = risk(params, share, majority) >= params.rerun_at - C.TOL
+    if params.n_extra:  # the rerun's plans are made (asked, live) only when the risk calls for them
+        tail = slice(params.n_plans, total)
+        extra = jax.vmap(run_plan, in_axes=(0, 0, 0, 0, None))(plan_rank[tail], u_gen[tail], plan_kind[tail],
+                                                                plans[tail], rerun)  # fmt: skip
+        results = C.concat([results, extra])
+    executors, roles, oks, ids, plan_calls = results
     ran = first | rerun
     winner, answer_id, _, _ = vote(ids, ran)
     # learning updates, one per executed call in plan order, with the selection-time contexts
