@@ -894,7 +894,7 @@ def select_messages(task: TaskText, needed: AbilityRef, workers: Sequence[Candid
 
 def parse_choice(text: str, agents: Sequence[int]) -> int:
     """The agent a router / selection reply names; ReplyParseError when none of `agents`."""
-    allowed = set(int(a) for a in agents)
+    allowed = {int(a) for a in agents}
     for value in reversed(_json_values(text)):
         if isinstance(value, dict) and "agent" in value:
             try:

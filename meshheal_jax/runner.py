@@ -406,7 +406,7 @@ def run_baseline_streams(
     if exp.backend == "live":
         from meshheal_jax.backends.live_baselines import live_baseline_tables
 
-        def run_baseline(method, specs, pair):  # noqa: F811 -- the live variant of the same call
+        def run_baseline(method, specs, pair):  # the live variant of the same call
             questions = {d: exp.live.questions(d, exp.profiles_dir)
                          for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
             return live_baseline_tables(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),

@@ -77,7 +77,9 @@ def redact_secrets(text: str, secrets: Sequence[str] | None = None) -> str:
 class ResponseCache:
     """sqlite3 (WAL) map: cache key -> response payload (a JSON-able dict).
 
-    Used from one thread (the live client's event loop); several processes may share the file.
+    Used by one thread at a time (the live client's event loop; the baselines' live host calls it
+    from XLA's callback threads, one call at a time under its lock); several processes may share
+    the file.
     `extra_secrets`: more values to redact (e.g. an API key given on the command line).
     """
 
@@ -85,7 +87,7 @@ class ResponseCache:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+            self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30.0, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(_SCHEMA)

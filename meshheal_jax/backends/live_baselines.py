@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -45,7 +46,14 @@ import polars as pl
 
 from meshheal_jax import metrics, prompts, scoring
 from meshheal_jax.backends.live import CallRequest, CallResponse, SyncLiveClient, request_seed, trace_rows
-from meshheal_jax.backends.live_loop import CACHE_FILE, TRACE_FILE, LiveConfig, LiveOptions, _open_client, _records_for
+from meshheal_jax.backends.live_loop import (
+    CACHE_FILE,
+    TRACE_FILE,
+    LiveConfig,
+    LiveOptions,
+    _open_client,
+    _records_for,
+)
 from meshheal_jax.baselines import common as C
 from meshheal_jax.data import Record, pick_questions, question_pool
 from meshheal_jax.errors import MeshHealError
@@ -57,7 +65,9 @@ class _Execution:
 
     pair: int | None = None  # the inferred pair's index in the profile
     outputs: dict[int, str] = dataclasses.field(default_factory=dict)  # visit -> output text
-    accepted: list[tuple[int, prompts.PriorOutput]] = dataclasses.field(default_factory=list)  # (visit, output)
+    accepted: list[tuple[int, prompts.PriorOutput]] = dataclasses.field(
+        default_factory=list
+    )  # (visit, output)
     answer: str = ""  # the execution's current final answer (after refinement, for SAC)
 
 
@@ -79,15 +89,19 @@ def _normalised(answer: str | None) -> str | None:
 class LiveBaselineHost:
     """Answers a baseline program's live calls (see the module docstring)."""
 
-    def __init__(self, specs: Sequence, questions, client: SyncLiveClient, options: LiveOptions = LiveOptions()):
+    def __init__(
+        self, specs: Sequence, questions, client: SyncLiveClient, options: LiveOptions | None = None
+    ):
         self.client = client
-        self.options = options
+        self.options = options if options is not None else LiveOptions()
         self.streams: list[_Stream] = []
         self.index: dict[tuple[int, int], int] = {}
         for k, spec in enumerate(specs):
             key = (int(spec.stream.seed), int(spec.stream.dataset_id))
             if key in self.index:
-                raise MeshHealError(f"live baselines: two streams with seed {key[0]} and dataset id {key[1]} in one batch")
+                raise MeshHealError(
+                    f"live baselines: two streams with seed {key[0]} and dataset id {key[1]} in one batch"
+                )
             self.index[key] = k
             profile = spec.network.profile
             pool = question_pool(_records_for(questions, profile.dataset), profile.task_types)
@@ -100,12 +114,17 @@ class LiveBaselineHost:
         self.latest: dict[int, int] = {}  # stream -> latest task seen (older texts are dropped)
         self.trace: list[dict] = []  # one row per request; row["request"] = the id the records carry
         self.error: BaseException | None = None
+        self._lock = threading.Lock()
 
     # -- the callback ------------------------------------------------------------------------
 
     def answer(self, op: str, valid: np.ndarray, scalars: Mapping[str, np.ndarray],
                vectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
         """The replies of one call site for every stream (arrays of valid's shape)."""
+        with self._lock:  # XLA may run two data-independent call sites at once, on two threads
+            return self._answer(op, valid, scalars, vectors)
+
+    def _answer(self, op, valid, scalars, vectors) -> dict[str, np.ndarray]:
         shape = valid.shape
         out = {k: np.full(shape, C._DEFAULTS[k], dtype) for k, dtype in C.REPLY_FIELDS.items()}
         if self.error is not None or not valid.any():
@@ -120,7 +139,9 @@ class LiveBaselineHost:
             rows = trace_rows([request for _, _, request, _ in calls], replies)
             for (idx, one, request, finish), reply, row in zip(calls, replies, rows, strict=True):
                 row["request"] = len(self.trace)
-                row.update({f"label_{k}": value for k, value in self.streams[request.stream].spec.labels.items()})
+                row.update(
+                    {f"label_{k}": value for k, value in self.streams[request.stream].spec.labels.items()}
+                )
                 self.trace.append(row)
                 out["request"][idx] = row["request"]
                 out["prompt"][idx] = reply.prompt_tokens
@@ -169,7 +190,9 @@ class LiveBaselineHost:
         """(CallRequest, finish(reply) -> reply fields) of one call."""
         s = self.index.get((int(a["seed"]), int(a["dataset_id"])))
         if s is None:
-            raise MeshHealError(f"live baselines: no stream with seed {a['seed']} and dataset id {a['dataset_id']}")
+            raise MeshHealError(
+                f"live baselines: no stream with seed {a['seed']} and dataset id {a['dataset_id']}"
+            )
         stream, t, e = self.streams[s], int(a["t"]), int(a.get("execution", 0))
         profile, ex = stream.profile, self._execution(s, int(a["t"]), int(a.get("execution", 0)))
         agent, role = int(a["agent"]), C.ROLE_NAMES[int(a["role"])]
@@ -190,7 +213,9 @@ class LiveBaselineHost:
 
         if op == "infer":
             examples = stream.examples if self.options.inference_examples else None
-            messages = prompts.inference_messages(profile, record.question, record.task_type, examples, record.options)
+            messages = prompts.inference_messages(
+                profile, record.question, record.task_type, examples, record.options
+            )
             req = request("infer", messages, response_format=prompts.inference_response_format(profile),
                           parser=prompts.inference_parser(profile, record.task_type))  # fmt: skip
 
@@ -203,11 +228,17 @@ class LiveBaselineHost:
         if op == "generate":
             ability, finalize = int(a["ability"]), bool(a["finalize"])
             pair_index = ex.pair if ex.pair is not None else self.texts.get((s, t, 0), _Execution()).pair
-            pair = profile.pairs[pair_index] if pair_index is not None else profile.requires[profile.task_types.index(record.task_type)]
+            pair = (
+                profile.pairs[pair_index]
+                if pair_index is not None
+                else profile.requires[profile.task_types.index(record.task_type)]
+            )
             covered = {name for prior in accepted for name in prior.abilities}
             remaining = sorted(i for i in pair if profile.abilities[i] not in covered)
             stage = "finalize" if finalize else "contribute"
-            if not stream.spec.network.holds[agent, ability]:  # a non-holder asked to work (AutoGen, Symphony)
+            if not stream.spec.network.holds[
+                agent, ability
+            ]:  # a non-holder asked to work (AutoGen, Symphony)
                 directive, abilities, missing = "none", self._agent_abilities(stream, agent), ()
             elif finalize:
                 directive = "partial" if accepted else "full"
@@ -300,7 +331,10 @@ class LiveBaselineHost:
 
 def run_live_baselines(*args, **kwargs) -> list[dict[str, pl.DataFrame]]:
     """`live_baseline_tables` with each table as a polars frame (metrics.SCHEMAS columns)."""
-    return [{name: metrics.frame(name, rows[name]) for name in rows} for rows in live_baseline_tables(*args, **kwargs)]
+    return [
+        {name: metrics.frame(name, rows[name]) for name in rows}
+        for rows in live_baseline_tables(*args, **kwargs)
+    ]
 
 
 def live_baseline_tables(
@@ -310,7 +344,7 @@ def live_baseline_tables(
     client: SyncLiveClient | LiveConfig,
     questions: Sequence[Record] | Mapping[str, Sequence[Record]],
     run_dir: Path | str | None = None,
-    options: LiveOptions = LiveOptions(),
+    options: LiveOptions | None = None,
     params=None,
 ) -> list[dict[str, list[dict]]]:
     """Run a baseline's streams against live models; per stream the four record tables as lists

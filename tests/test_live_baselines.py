@@ -1,0 +1,354 @@
+"""The baselines' live backend (meshheal_jax.backends.live_baselines): each baseline's compiled
+program with its calls answered by a client, batched over streams.
+
+Most tests use a SCRIPTED IN-PROCESS CLIENT (`ScriptedClient`, NOT a model, no HTTP): it answers
+each CallRequest from its prompt text. The strong model answers with the gold, the weak one
+with a wrong answer of its own ("zzz" + the request seed, so two weak answers never agree); a
+Contribute review (RAPS watchdog) is 0.25 for an output written by the weak model and 1.0
+otherwise; a router / manager names the lowest-numbered candidate; an SAC evaluation scores its
+own answer 1.0 and another 0.25 when it is a weak answer. The last tests go through real sockets
+and the real openai client against the scripted HTTP stand-ins of test_live_loop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("pydantic")
+
+import tyro
+from test_live_loop import PROFILE, RECORDS, WRONG, stand_ins  # the scripted HTTP stand-ins
+
+from meshheal_jax import main, prompts
+from meshheal_jax.backends.live import CallResponse, ServerUnavailableError
+from meshheal_jax.backends.live_baselines import LiveBaselineHost, live_baseline_tables, run_live_baselines
+from meshheal_jax.baselines import BaselineSpec, raps, symphony
+from meshheal_jax.baselines import common as C
+from meshheal_jax.baselines import run as R
+from meshheal_jax.streams import Stream, make_stream, persistent_schedule
+from meshheal_jax.topology import build_network
+
+pytestmark = pytest.mark.filterwarnings("ignore::meshheal_jax.data.QuestionPoolWarning")
+
+N_TASKS = 12
+DEGRADED_FROM = 7
+STRONG_ID, WEAK_ID = "scripted-strong", "scripted-weak"
+KINDS = {
+    "raps": {"infer", "generate", "watchdog"}, "agentnet": {"infer", "generate", "router"},
+    "autogen": {"infer", "select", "generate", "compose"}, "sac": {"infer", "generate", "evaluate", "refine"},
+    "symphony": {"infer", "generate", "cot"},
+}  # fmt: skip
+
+
+def _gold(content: str) -> str:
+    for record in RECORDS:
+        if record.question.strip() in content:
+            return record.gold
+    raise AssertionError("scripted client: no sample question in the prompt")
+
+
+class ScriptedClient:
+    """An in-process scripted client (NOT a model): `run_batch` answers from the prompt text."""
+
+    def __init__(self, fail_at: int | None = None, all_wrong: bool = False) -> None:
+        self.batches: list[list] = []
+        self.fail_at = fail_at
+        self.all_wrong = all_wrong  # every model answers wrong, each in its own way
+
+    def reply(self, request) -> str:
+        content = request.messages[-1]["content"]
+        fmt = (request.response_format or {}).get("json_schema", {}).get("name")
+        if fmt == "ability_pair":
+            task_type = content.rsplit("Task type: ", 1)[1].split("\n", 1)[0].strip()
+            pair = PROFILE.requires[PROFILE.task_types.index(task_type)]
+            return json.dumps({"abilities": [PROFILE.abilities[a] for a in pair]})
+        if fmt == "contribute_review":
+            judged = content.split("Output under review:\n<<<\n", 1)[1].split("\n>>>", 1)[0]
+            return prompts.review_reply(0.25 if "zzz" in judged else 1.0, "contribute", evidence="zzz")
+        if fmt == "agent_choice":
+            return json.dumps(
+                {
+                    "agent": min(
+                        request.response_format["json_schema"]["schema"]["properties"]["agent"]["enum"]
+                    )
+                }
+            )
+        if fmt == "answer_evaluation":
+            other = content.split("Another team's answer:\n<<<\n", 1)[1].split("\n>>>", 1)[0]
+            return json.dumps({"own_score": 1.0, "other_score": 0.25 if "zzz" in other else 1.0,
+                               "one_sentence_reason": "."})  # fmt: skip
+        if request.role == "weak" or self.all_wrong:
+            return f"COMPETENCE_MATCH:partial\nRESULT: zzz{request.seed}"
+        return f"COMPETENCE_MATCH:yes\nRESULT: {_gold(content)}"
+
+    def run_batch(self, requests):
+        self.batches.append(list(requests))
+        if self.fail_at is not None and len(self.batches) >= self.fail_at:
+            raise ServerUnavailableError("scripted client: the strong server went away")
+        out = []
+        for r in requests:
+            text = self.reply(r)
+            out.append(CallResponse((text,), (r.parser.parse(text),), ("ok",), ("stop",), 100 + r.call_id % 7, 10, 0, 0,
+                                    0.01, 0, 0, 1, False, STRONG_ID if r.role == "strong" else WEAK_ID))  # fmt: skip
+        return out
+
+
+def bbh_specs(seeds=(0, 1)) -> list[BaselineSpec]:
+    """6 agents, complete graph, the first 12 tasks of BBH streams; A3/A5 degraded from task 7."""
+    out = []
+    for seed in seeds:
+        full = make_stream(seed, PROFILE.dataset_id, 42, 7, (1, 22), ("healthy", "degraded"))
+        phase = (np.arange(1, N_TASKS + 1) >= DEGRADED_FROM).astype(np.int32)
+        stream = Stream(seed, PROFILE.dataset_id, full.task_type[:N_TASKS], full.question[:N_TASKS], phase,
+                        ("healthy", "degraded"))  # fmt: skip
+        schedule = persistent_schedule(6, N_TASKS, (2, 4))
+        out.append(
+            BaselineSpec(build_network(PROFILE, 6), stream, schedule, {"dataset": "bbh", "seed": seed})
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every baseline, two streams, against the scripted client."""
+    out = {}
+    for method in KINDS:
+        client = ScriptedClient()
+        out[method] = (client, run_live_baselines(method, bbh_specs(), "default", client, RECORDS))
+    return out
+
+
+@pytest.mark.parametrize("method", list(KINDS))
+def test_every_call_is_one_request_and_streams_share_batches(runs, method):
+    client, frames = runs[method]
+    calls = pl.concat([f["calls"] for f in frames])
+    sent = [r for batch in client.batches for r in batch]
+    assert calls.height == len(sent)  # one request per recorded call, none sent for a masked call
+    assert set(calls["kind"].unique()) <= KINDS[method]
+    assert {"infer", "generate"} <= set(calls["kind"].unique())
+    # the calls of one call site of BOTH streams went out in one batch
+    assert max(len({r.stream for r in batch}) for batch in client.batches) == 2
+    # the calls table carries the real model id and the request's latency
+    assert set(calls["model"].unique()) <= {STRONG_ID, WEAK_ID} and (calls["latency_s"] == 0.01).all()
+    by_seed = {f["tasks"]["seed"][0]: f for f in frames}
+    for s, frame in enumerate(by_seed[k] for k in (0, 1)):
+        mine = [r for r in sent if r.stream == s]
+        assert frame["calls"]["prompt_tokens"].sum() == sum(100 + r.call_id % 7 for r in mine)
+        assert frame["tasks"].height == N_TASKS
+
+
+@pytest.mark.parametrize("method", list(KINDS))
+def test_models_follow_the_model_backed_rule_and_answers_are_judged(runs, method):
+    _, frames = runs[method]
+    holds = build_network(PROFILE, 6).holds
+    for frame in frames:
+        calls = frame["calls"]
+        for row in calls.filter(pl.col("kind").is_in(["generate", "cot"])).iter_rows(named=True):
+            degraded = row["t"] >= DEGRADED_FROM and row["agent"] in (2, 4)
+            strong = not degraded and bool(holds[row["agent"], row["ability"]])
+            assert row["model"] == (STRONG_ID if strong else WEAK_ID)
+            if row["answer_id"] is not None:  # a final answer: the script's gold is id 0, a weak one not
+                assert (row["answer_id"] == 0) == strong
+        tasks = frame["tasks"]
+        assert not (tasks["correct"] & ~tasks["answered"]).any()  # AgentNet may run out of forwards
+
+
+def test_a_strong_network_is_right_and_degraded_writers_are_not(runs):
+    # RAPS: a task is correct iff its finalizer used the strong model (the script's answers)
+    _, frames = runs["raps"]
+    for frame in frames:
+        finals = frame["calls"].filter(pl.col("answer_id").is_not_null()).sort("t")
+        assert frame["tasks"].sort("t")["correct"].to_list() == (finals["model"] == STRONG_ID).to_list()
+
+
+def test_raps_watchdog_scores_drive_the_beta_posterior():
+    specs = bbh_specs((0,))
+    client = ScriptedClient()
+    host = LiveBaselineHost(specs, RECORDS, client)
+    states, outs = R.simulate("raps", specs, "default", live=host)
+    params = raps.RAPSParams()
+    x = np.full((6, 6), params.prior_x)
+    y = np.full((6, 6), params.prior_y)
+    watched = 0
+    for k in range(N_TASKS):
+        c = jax_tree_at(outs.calls, 0, k)
+        for slot in np.flatnonzero(c.valid & (c.kind == C.K_WATCHDOG)):
+            request = host.trace[int(c.request[slot])]
+            assert request["kind"] == "watchdog" and request["scores"] == [c.score[slot]]
+            s = float(c.score[slot] <= params.watchdog_threshold + C.TOL)
+            o, a = int(c.agent[slot]), int(c.author[slot])
+            x[o, a], y[o, a] = params.lam * x[o, a] + s, params.lam * y[o, a] + (1 - s)
+            watched += 1
+    assert watched > 0
+    np.testing.assert_allclose(states.x[0], x)
+    np.testing.assert_allclose(states.y[0], y)
+
+
+def jax_tree_at(tree, *index):
+    import jax
+
+    return jax.tree_util.tree_map(lambda v: v[index], tree)
+
+
+def test_agentnet_forwards_to_the_neighbour_the_router_names(runs):
+    _, frames = runs["agentnet"]
+    for frame in frames:
+        tasks = frame["tasks"].sort("t")
+        routers = frame["calls"].filter(pl.col("kind") == "router")
+        first = tasks.row(0, named=True)
+        route = [int(a) for a in first["route"].split("-")]
+        named = routers.filter(pl.col("t") == 1).sort("visit")
+        # on the complete graph nothing is pruned yet: the script names the lowest other agent
+        for v, agent in enumerate(named["agent"].to_list()):
+            assert route[v] == agent and route[v + 1] == min(a for a in range(6) if a != agent)
+
+
+def test_autogen_manager_names_the_worker_and_composes_the_answer(runs):
+    _, frames = runs["autogen"]
+    holds = build_network(PROFILE, 6).holds
+    for frame in frames:
+        calls = frame["calls"]
+        selects = calls.filter(pl.col("kind") == "select")
+        assert (selects["agent"] == 2).all()  # A3 is the manager
+        for row in frame["tasks"].iter_rows(named=True):
+            route = [int(a) for a in row["route"].split("-")]
+            assert route[0] == 2 and route[1] == 0 and route[3] == 0  # the lowest worker, named each time
+            mine = selects.filter(pl.col("t") == row["t"])
+            # a retry is asked exactly when the named worker does not hold the ability
+            expected = sum(
+                1 + (not holds[0, a]) for a in mine["ability"].unique(maintain_order=True).to_list()
+            )
+            assert mine.height == expected
+        composed = calls.filter(pl.col("kind") == "compose").sort("t")
+        assert composed["answer_id"].is_not_null().all()
+        assert frame["tasks"].sort("t")["correct"].to_list() == (composed["answer_id"] == 0).to_list()
+
+
+def test_sac_evaluations_filter_and_the_vote_counts_refined_answers(runs):
+    _, frames = runs["sac"]
+    for frame in frames:
+        calls = frame["calls"]
+        evaluations = calls.filter(pl.col("kind") == "evaluate")
+        assert set(evaluations["score"].unique()) <= {0.25, 1.0}
+        for t in range(1, N_TASKS + 1):
+            refined = calls.filter((pl.col("kind") == "refine") & (pl.col("t") == t))
+            last = refined.tail(3)["answer_id"].to_list()  # the second round's refinements, team order
+            task = frame["tasks"].filter(pl.col("t") == t).row(0, named=True)
+            top = max(last.count(a) for a in last)
+            if top >= 2:  # a strict majority decides
+                assert task["answer_id"] == max(set(last), key=last.count)
+            assert task["correct"] == (task["answer_id"] == 0)
+
+
+def test_symphony_reruns_exactly_when_the_first_votes_are_risky(runs):
+    params = symphony.SymphonyParams()
+    reran = 0
+    # the shared run (few disagreements) and one where every plan answers differently
+    disagreeing = run_live_baselines(
+        "symphony", bbh_specs((0,)), "default", ScriptedClient(all_wrong=True), RECORDS
+    )
+    for frame in [*runs["symphony"][1], *disagreeing]:
+        calls = frame["calls"]
+        for t in range(1, N_TASKS + 1):
+            mine = calls.filter(pl.col("t") == t)
+            finals = mine.filter((pl.col("kind") == "generate") & pl.col("answer_id").is_not_null())[
+                "answer_id"
+            ].to_list()
+            assert len(finals) == params.n_plans
+            top = max(finals.count(a) for a in finals)
+            risk = params.w_disagree * (1 - top / 3) + params.w_unstable * (2 * top <= 3)
+            rerun = risk >= params.rerun_at - C.TOL
+            assert mine.filter(pl.col("kind") == "cot").height == (2 * params.n_extra if rerun else 0)
+            reran += rerun
+    assert reran >= N_TASKS  # every task of the disagreeing run
+
+
+def test_answer_ids_compare_normalised_answers():
+    host = LiveBaselineHost(bbh_specs((0,)), RECORDS, ScriptedClient())
+    host._execution(0, 1, 0)
+    gold = host.streams[0].records[0].gold
+    assert host._answer_id(0, 1, f"RESULT: {gold}") == 0
+    first = host._answer_id(0, 1, "RESULT: Zzz  Top")
+    assert first >= 1 and host._answer_id(0, 1, "RESULT: zzz top") == first  # same normalised answer
+    other = host._answer_id(0, 1, "RESULT: something else")
+    assert other not in (0, first)
+    none_a, none_b = host._answer_id(0, 1, "no answer line"), host._answer_id(0, 1, "still none")
+    assert len({none_a, none_b, first, other}) == 4  # an answer that states none agrees with nothing
+
+
+def test_a_failing_server_stops_the_run_with_its_error_and_keeps_the_trace(tmp_path):
+    client = ScriptedClient(fail_at=5)
+    with pytest.raises(ServerUnavailableError, match="went away"):
+        run_live_baselines("raps", bbh_specs(), "default", client, RECORDS, run_dir=tmp_path)
+    assert len(client.batches) == 5  # nothing is sent after the failure
+    trace = pl.read_parquet(tmp_path / "live_trace.parquet")
+    assert trace.height == sum(len(b) for b in client.batches[:4])
+
+
+# ----------------------------------------------------------------------------------------------
+# Through real sockets: the scripted HTTP stand-ins of test_live_loop, the real SyncLiveClient
+
+
+def test_runner_runs_baselines_live_and_resumes_from_the_cache(tmp_path):
+    pair = stand_ins()
+    out = tmp_path / "run"
+    argv = ["--backend", "live", "--strong-url", pair[0].url, "--weak-url", pair[1].url, "--methods", "raps",
+            "sac", "--datasets", "bbh", "--seeds", "2", "--tasks", "42", "--data", "sample", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    try:
+        main.body(tyro.cli(main.MainConfig, args=argv))
+        sent = sum(len(s.chats) for s in pair)
+        tasks = pl.read_parquet(out / "tasks.parquet")
+        calls = pl.read_parquet(out / "calls.parquet")
+        assert sorted(tasks["method"].unique()) == ["raps", "sac"] and tasks.height == 2 * 2 * 42
+        assert calls.height == tasks["calls"].sum()
+        traces = [pl.read_parquet(out / f"live-{m}-default" / "live_trace.parquet") for m in ("raps", "sac")]
+        assert sum(t.height for t in traces) == calls.height  # one request per call
+        # every request not answered from the cache went out once; SAC's team 0 asks exactly what
+        # RAPS's single execution asked (same agent, prompt, model and seed), so those are hits
+        assert sent == sum((~t["from_cache"]).sum() for t in traces)
+        assert traces[1].filter(pl.col("from_cache"))["kind"].unique().sort().to_list() == [
+            "generate",
+            "infer",
+        ]
+        assert set(calls["model"].unique()) <= {"openai/gpt-oss-120b", "meta-llama/Llama-3.2-1B-Instruct"}
+        assert (out / "live-raps-default" / "live_trace.parquet").exists()
+        # the stand-in's final answers: the gold from the strong model, "I cannot tell" from the weak one
+        finals = calls.filter(pl.col("answer_id").is_not_null() & (pl.col("kind") == "generate"))
+        assert ((finals["answer_id"] == 0) == (finals["model"] == "openai/gpt-oss-120b")).all()
+        summary = json.loads((out / "summary.json").read_text())
+        assert {r["method"] for r in summary["results"]} == {"raps", "sac"}
+        before = tasks
+        import shutil
+
+        shutil.rmtree(out / "parts")  # as if the run had died before writing any stream
+        main.body(tyro.cli(main.MainConfig, args=argv))
+        assert sum(len(s.chats) for s in pair) == sent  # every reply came from the response cache
+        assert pl.read_parquet(out / "tasks.parquet").equals(before)
+    finally:
+        for server in pair:
+            server.close()
+
+
+def test_garbage_replies_fall_back_and_are_recorded(tmp_path):
+    from test_live_loop import FAST_RETRY, config, garbage
+
+    pair = stand_ins(garbage)
+    try:
+        cfg = config(pair, tmp_path / "cache.sqlite")
+        cfg = type(cfg)(servers=cfg.servers, retry=FAST_RETRY, cache_path=cfg.cache_path)
+        rows = live_baseline_tables("autogen", bbh_specs((0,)), "default", cfg, RECORDS)
+    finally:
+        for server in pair:
+            server.close()
+    calls = pl.DataFrame(rows[0]["calls"], infer_schema_length=None)
+    selects = calls.filter(pl.col("kind") == "select")
+    assert (selects["parse_status"] == "failed").all()  # retried once, then the fallback
+    tasks = pl.DataFrame(rows[0]["tasks"], infer_schema_length=None)
+    assert tasks.height == N_TASKS and not tasks["correct"].any()  # garbage never states the gold
+    assert WRONG not in " ".join(calls["parse_status"].to_list())
