@@ -268,7 +268,7 @@ def test_symphony_reruns_exactly_when_the_first_votes_are_risky(runs):
     assert reran >= N_TASKS  # every task of the disagreeing run
 
 
-def test_answer_ids_compare_normalised_answers():
+def test_answer_ids_compare_answers_as_the_scorer_does():
     host = LiveBaselineHost(bbh_specs((0,)), RECORDS, ScriptedClient())
     host._execution(0, 1, 0)
     gold = host.streams[0].records[0].gold
@@ -279,6 +279,21 @@ def test_answer_ids_compare_normalised_answers():
     assert other not in (0, first)
     none_a, none_b = host._answer_id(0, 1, "no answer line"), host._answer_id(0, 1, "still none")
     assert len({none_a, none_b, first, other}) == 4  # an answer that states none agrees with nothing
+
+
+def test_math_answer_ids_use_math_equivalence():
+    from meshheal_jax.data import load_sample
+    from meshheal_jax.topology import load_profile
+
+    profile = load_profile("math")
+    records = load_sample("math")
+    full = make_stream(0, profile.dataset_id, 42, len(profile.task_types), (1, 22), ("healthy", "degraded"))
+    spec = BaselineSpec(build_network(profile, 6), full, persistent_schedule(6, 42, (2, 4)), {"seed": 0})
+    host = LiveBaselineHost([spec], records, ScriptedClient())
+    host._execution(0, 1, 0)
+    half = host._answer_id(0, 1, "RESULT: \\frac{1}{2} + 1000")
+    assert half >= 1 and host._answer_id(0, 1, "RESULT: 1000.5") == half  # equal as mathematics
+    assert host._answer_id(0, 1, "RESULT: 1001") not in (0, half)
 
 
 def test_a_failing_server_stops_the_run_with_its_error_and_keeps_the_trace(tmp_path):

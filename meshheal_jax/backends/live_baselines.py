@@ -20,9 +20,10 @@ program's own scan instead of a host loop of rounds.
   executions 0..4). The texts a call reads were written by calls it depends on in the program
   (`live_reply(after=...)`), so the order is the program's dataflow.
 - Answers: a final answer is judged against the gold (`scoring.judge`): id 0 when correct;
-  otherwise the k-th distinct wrong answer of the task (its normalised extracted answer) gets
-  id k >= 1, and an answer that states none gets an id of its own, so votes compare normalised
-  answers (spec/baselines.md "Live").
+  otherwise the k-th distinct wrong answer of the task gets id k >= 1, two wrong answers being
+  the same when the scorer says so (option letters, normalised text, math-verify equivalence),
+  and an answer that states none gets an id of its own: votes compare normalised answers
+  (spec/baselines.md "Live").
 - Model: the role comes from the model-backed rule inside the program (the backend's own
   function `common.role_of`, which alone reads the health schedule); the host sends to that role.
 - Failures: a parse failure is retried once by the client, then the parser's fallback is used
@@ -36,7 +37,6 @@ program's own scan instead of a host loop of rounds.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,10 +82,6 @@ class _Stream:
         return self.spec.network.profile
 
 
-def _normalised(answer: str | None) -> str | None:
-    return None if answer is None else re.sub(r"\s+", " ", answer.strip().casefold()) or None
-
-
 class LiveBaselineHost:
     """Answers a baseline program's live calls (see the module docstring)."""
 
@@ -110,7 +106,7 @@ class LiveBaselineHost:
             examples = {tt: rows[0].question for tt, rows in zip(profile.task_types, pool)}
             self.streams.append(_Stream(spec, pick.records, examples))
         self.texts: dict[tuple[int, int, int], _Execution] = {}
-        self.wrong_ids: dict[tuple[int, int], dict[str | None, int]] = {}
+        self.wrong_answers: dict[tuple[int, int], list[str | None]] = {}  # id k = entry k - 1
         self.latest: dict[int, int] = {}  # stream -> latest task seen (older texts are dropped)
         self.trace: list[dict] = []  # one row per request; row["request"] = the id the records carry
         self.error: BaseException | None = None
@@ -159,8 +155,8 @@ class LiveBaselineHost:
             self.latest[s] = t
             for key in [key for key in self.texts if key[0] == s and key[1] < t]:
                 del self.texts[key]
-            for key in [key for key in self.wrong_ids if key[0] == s and key[1] < t]:
-                del self.wrong_ids[key]
+            for key in [key for key in self.wrong_answers if key[0] == s and key[1] < t]:
+                del self.wrong_answers[key]
         return self.texts.setdefault((s, t, e), _Execution())
 
     def _task(self, stream: _Stream, t: int, accepted=()) -> prompts.TaskText:
@@ -175,16 +171,22 @@ class LiveBaselineHost:
         return self._abilities(stream, np.flatnonzero(stream.spec.network.holds[agent]))
 
     def _answer_id(self, s: int, t: int, text: str) -> int:
+        """0 for a correct answer; a wrong one takes the id of the first earlier wrong answer of the
+        task the scorer finds equal to it (the scorer as the normaliser: letters, text, math-verify
+        equivalence), else the next id; an answer that states none agrees with nothing."""
         stream = self.streams[s]
         record = stream.records[t - 1]
-        judged = scoring.judge(stream.profile.dataset, text, record.gold, record.options)
+        dataset = stream.profile.dataset
+        judged = scoring.judge(dataset, text, record.gold, record.options)
         if judged.correct:
             return 0
-        ids = self.wrong_ids.setdefault((s, t), {})
-        key = _normalised(judged.answer)
-        if key is None:  # no answer stated: never agrees with another
-            key = f"\0none-{len(ids)}"
-        return ids.setdefault(key, len(ids) + 1)
+        wrong = self.wrong_answers.setdefault((s, t), [])
+        if judged.answer is not None:
+            for k, earlier in enumerate(wrong, start=1):
+                if earlier is not None and scoring.judge(dataset, text, earlier, record.options).correct:
+                    return k
+        wrong.append(judged.answer)
+        return len(wrong)
 
     def _request(self, op: str, a: dict, v: dict):
         """(CallRequest, finish(reply) -> reply fields) of one call."""
