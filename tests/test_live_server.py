@@ -203,3 +203,28 @@ def test_live_experiment_through_the_real_server(tiny_server, tmp_path):
     replay = pl.read_parquet(out / "live-default" / "live_trace.parquet")
     assert replay["from_cache"].all()  # nothing was sent again
     assert pl.read_parquet(out / "tasks.parquet").equals(tasks)
+
+
+def test_a_baseline_through_the_real_server(tiny_server, tmp_path):
+    """AutoGen (manager selection, worker generations, composition) live on 12 BBH tasks: real
+    HTTP and tokenization; the tiny model's text is never a valid choice, so every selection
+    falls back to the emulator's failure branch (a uniform worker) after its retry."""
+    import polars as pl
+    from test_live_baselines import bbh_specs
+
+    from meshheal_jax.backends.live_baselines import live_baseline_tables
+    from meshheal_jax.backends.live_loop import LiveConfig, LiveOptions
+    from meshheal_jax.data import load_sample
+
+    base_url, model_dir = tiny_server
+    groups = tuple(ServerGroup(role, (base_url,), model_id=tiny.TINY_MODEL_ID, served_name=str(model_dir),
+                               max_in_flight=8) for role in ("strong", "weak"))  # fmt: skip
+    options = LiveOptions(max_completion_tokens=dict.fromkeys(LiveOptions().max_completion_tokens, TINY_MAX_TOKENS))
+    rows = live_baseline_tables("autogen", bbh_specs((0,)), "default", LiveConfig(groups, retry=FAST_RETRY),
+                                load_sample("bbh"), run_dir=tmp_path, options=options)  # fmt: skip
+    calls = pl.DataFrame(rows[0]["calls"], infer_schema_length=None)
+    trace = pl.read_parquet(tmp_path / "live_trace.parquet")
+    assert len(rows[0]["tasks"]) == 12 and calls.height == trace.height
+    assert calls["prompt_tokens"].sum() == trace["prompt_tokens"].sum() > 0  # real usage, per call
+    assert (calls.filter(pl.col("kind") == "select")["parse_status"] == "failed").all()
+    assert set(calls["model"].unique()) == {tiny.TINY_MODEL_ID}
