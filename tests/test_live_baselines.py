@@ -13,6 +13,7 @@ and the real openai client against the scripted HTTP stand-ins of test_live_loop
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import polars as pl
@@ -303,6 +304,24 @@ def test_a_failing_server_stops_the_run_with_its_error_and_keeps_the_trace(tmp_p
     assert len(client.batches) == 5  # nothing is sent after the failure
     trace = pl.read_parquet(tmp_path / "live_trace.parquet")
     assert trace.height == sum(len(b) for b in client.batches[:4])
+
+
+def test_ctrl_c_stops_sending_and_raises():
+    import _thread
+
+    class Interrupting(ScriptedClient):
+        def run_batch(self, requests):
+            if len(self.batches) == 3:
+                _thread.interrupt_main()  # as a Ctrl-C in the terminal, while the program runs
+                deadline = time.monotonic() + 30
+                while C._HOST[0].error is None and time.monotonic() < deadline:
+                    time.sleep(0.01)  # a slow server: the reply comes after the Ctrl-C was seen
+            return super().run_batch(requests)
+
+    client = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        run_live_baselines("sac", bbh_specs(), "default", client, RECORDS)
+    assert len(client.batches) == 4  # the batch in flight finishes; nothing is sent after the stop
 
 
 # ----------------------------------------------------------------------------------------------

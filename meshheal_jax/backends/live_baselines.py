@@ -120,6 +120,11 @@ class LiveBaselineHost:
         with self._lock:  # XLA may run two data-independent call sites at once, on two threads
             return self._answer(op, valid, scalars, vectors)
 
+    def stop(self, reason: BaseException) -> None:
+        """Send nothing more: every later call gets neutral values (the run then raises `reason`)."""
+        if self.error is None:
+            self.error = reason
+
     def _answer(self, op, valid, scalars, vectors) -> dict[str, np.ndarray]:
         shape = valid.shape
         out = {k: np.full(shape, C._DEFAULTS[k], dtype) for k, dtype in C.REPLY_FIELDS.items()}

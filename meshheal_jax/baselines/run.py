@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -94,12 +95,40 @@ def simulate(method: str, specs: list, pair: Pair | str, params=None, live=None)
     if live is None:
         states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)
     else:
-        with C.live_host(live):
-            states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)
-            jax.block_until_ready(outs)
-        if live.error is not None:
-            raise live.error
+        states, outs = _run_live(live, lambda: _run(method, params, emus, worlds, uniforms, n_tasks))
     return jax.tree_util.tree_map(np.asarray, states), jax.tree_util.tree_map(np.asarray, outs)
+
+
+def _run_live(host, program):
+    """Run a live program in a worker thread while the main thread waits in short joins, so that
+    Ctrl-C reaches Python during an hours-long run: the host then stops sending (every later call
+    gets neutral values at once), the program ends, and KeyboardInterrupt is raised. Every reply
+    received is in the response cache; the same call resumes."""
+    result: dict = {}
+    finished = threading.Event()  # not Thread.join: an interrupted join can mark a live thread stopped
+
+    def work():
+        try:
+            result["out"] = jax.block_until_ready(program())
+        except BaseException as err:  # noqa: BLE001 -- re-raised in the caller's thread
+            result["error"] = err
+        finally:
+            finished.set()
+
+    with C.live_host(host):
+        threading.Thread(target=work, name="live-baseline-program", daemon=True).start()
+        try:
+            while not finished.wait(0.2):
+                pass
+        except KeyboardInterrupt:
+            host.stop(KeyboardInterrupt("live baseline run interrupted; every reply received is in the response cache"))
+            finished.wait()
+            raise
+    if "error" in result:
+        raise result["error"]
+    if host.error is not None:
+        raise host.error
+    return result["out"]
 
 
 def run_baseline_streams(
