@@ -22,6 +22,9 @@ Sections (each prints a markdown table):
      stand-in at the ratio latency, vs a sequential client (calls x latency, computed, not run)
   d  one `n=3` request vs three requests (wall, HTTP calls, tokens): stand-in and tiny server
   e  the tiny `transformers serve` server: requests/s against the semaphore
+  f  the baselines live (`live_baselines.run_live_baselines`, 6 agents, 42 BBH tasks per stream,
+     5 streams) against the stand-in at the ratio latency: requests per batch and the batched
+     wall against a sequential client (calls x latency, computed)
 
     python benchmarks/live_throughput.py --quick                # short; 88 s on 2 busy shared cores
     python benchmarks/live_throughput.py --out runs/live_throughput.json
@@ -72,7 +75,7 @@ from meshheal_jax.data import QuestionPoolWarning, load_sample
 from meshheal_jax.prompts import review_reply
 from meshheal_jax.topology import DATASETS, load_profile
 
-SECTIONS = ("a", "b", "c", "d", "e")
+SECTIONS = ("a", "b", "c", "d", "e", "f")
 COLUMNS = {  # the tables' columns, in print order
     "a": ["semaphore", "requests", "sent", "server_received", "wall_s", "ideal_s", "requests_per_s",
           "ideal_requests_per_s", "client_max_in_flight", "server_max_in_flight", "server_mean_in_flight",
@@ -89,6 +92,8 @@ COLUMNS = {  # the tables' columns, in print order
           "parse_failures"],
     "e": ["server", "semaphore", "requests", "http_calls", "wall_s", "requests_per_s", "http_calls_per_s",
           "mean_latency_s", "completion_tokens", "client_max_in_flight"],
+    "f": ["method", "streams", "tasks", "requests", "http_calls", "batches", "requests_per_batch",
+          "max_batch", "wall_s", "in_run_batch_s", "ideal_batched_s", "sequential_s", "ratio", "accuracy"],
 }  # fmt: skip
 STAND_IN_ROOTS = {"strong": "stand-in/fixed-latency-strong", "weak": "stand-in/fixed-latency-weak"}
 WEAK_MARK = "I cannot tell"  # in every weak execution reply; strong reviewers flag it (0.25)
@@ -134,6 +139,12 @@ def stand_in_reply(role: str, body: dict, pairs: dict) -> str:
         score = 0.5 if role == "weak" else (0.25 if WEAK_MARK in judged else 1.0)
         stage = "finalize" if fmt == "finalize_review" else "contribute"
         return review_reply(score, stage, evidence=WEAK_MARK)
+    if fmt == "agent_choice":  # the baselines' router / manager: the lowest-numbered candidate
+        return json.dumps({"agent": min(body["response_format"]["json_schema"]["schema"]["properties"]["agent"]["enum"])})
+    if fmt == "answer_evaluation":  # SAC: another team's weak answer scores low
+        other = content.split("Another team's answer:\n<<<\n", 1)[-1].split("\n>>>", 1)[0]
+        return json.dumps({"own_score": 1.0, "other_score": 0.25 if WEAK_MARK in other else 1.0,
+                           "one_sentence_reason": "."})  # fmt: skip
     if CONTRIBUTE_MARK in content or PARTIAL_MARK in content:
         body_text = WEAK_MARK if role == "weak" else "The delegated part is worked out step by step."
         return f"COMPETENCE_MATCH:partial\n{body_text}\nRESULT: partial result\nHANDOFF: finish the task"
@@ -641,6 +652,56 @@ def section_c(stand_in: FixedLatencyStandIn, latency: float, n_agents: int, n_ta
     }
 
 
+def section_f(stand_in: FixedLatencyStandIn, latency: float, n_tasks: int, n_streams: int,
+              methods: Sequence[str]) -> dict:  # fmt: skip
+    """Each baseline's compiled program with live callbacks: a call site's calls of every stream
+    go out as one batch."""
+    from meshheal_jax.backends.live_baselines import run_live_baselines
+    from meshheal_jax.baselines import BaselineSpec
+    from meshheal_jax.streams import make_stream, persistent_schedule
+    from meshheal_jax.topology import build_network
+
+    profile = load_profile("bbh")
+    specs = [BaselineSpec(build_network(profile, 6),
+                          make_stream(seed, profile.dataset_id, n_tasks, len(profile.task_types),
+                                      (1, n_tasks // 2 + 1), ("healthy", "degraded")),
+                          persistent_schedule(6, n_tasks, profile.degraded_targets),
+                          {"dataset": "bbh", "seed": seed}) for seed in range(n_streams)]  # fmt: skip
+    rows = []
+    for method in methods:
+        stand_in.reset(latency)
+        client = TimedSyncLiveClient([stand_in_group(stand_in.url, 256, "strong"),
+                                      stand_in_group(stand_in.url, 256, "weak")], retry=BENCH_RETRY)  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", QuestionPoolWarning)
+                frames = run_live_baselines(method, specs, "default", client, load_sample("bbh"))
+            wall = time.perf_counter() - t0
+        finally:
+            client.close()
+        calls = stand_in.stats()["requests"]
+        batches = client.batches
+        requests = sum(b[2] for b in batches)
+        tasks = sum(f["tasks"].height for f in frames)
+        rows.append({
+            "method": method, "streams": n_streams, "tasks": tasks, "requests": requests, "http_calls": calls,
+            "batches": len(batches), "requests_per_batch": requests / len(batches),
+            "max_batch": max(b[2] for b in batches), "wall_s": wall,
+            "in_run_batch_s": sum(end - start for start, end, _, _ in batches),
+            "ideal_batched_s": len(batches) * latency, "sequential_s": calls * latency,
+            "ratio": calls * latency / wall,
+            "accuracy": sum(int(f["tasks"]["correct"].sum()) for f in frames) / tasks,
+        })  # fmt: skip
+    return {
+        "title": f"f: the baselines live (6 agents, {n_tasks} BBH tasks per stream, {n_streams} streams, stand-in "
+        f"latency {latency:g} s; the wall includes each program's trace and compile; sequential = HTTP calls x "
+        "latency, computed)",
+        "columns": COLUMNS["f"],
+        "rows": rows,
+    }
+
+
 # =============================================================================================
 # Section d: n=3 in one request vs three requests
 
@@ -844,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument(
         "--quick", action="store_true", help="short latencies, fewer requests, small runner: about a minute"
     )
-    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of a,b,c,d,e")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of a,b,c,d,e,f")
     ap.add_argument(
         "--latency",
         type=float,
@@ -902,7 +963,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"date: {info['date']}; command: {' '.join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}"
     )
     tables: dict[str, dict] = {}
-    need_stand_in = bool(set(sections) & {"a", "b", "c", "d"})
+    need_stand_in = bool(set(sections) & {"a", "b", "c", "d", "f"})
     need_tiny = not args.no_tiny_server and bool(set(sections) & {"d", "e"})
     with contextlib.ExitStack() as stack:
         stand_in = stack.enter_context(FixedLatencyStandIn(latency)) if need_stand_in else None
@@ -918,6 +979,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if "c" in sections:
             tables["c"] = section_c(stand_in, ratio_latency, agents, tasks, 256, streams)
             print_table(tables["c"])
+        if "f" in sections:
+            methods = ("raps", "sac") if quick else ("agentnet", "raps", "autogen", "sac", "symphony")
+            tables["f"] = section_f(stand_in, ratio_latency, 42, 2 if quick else 5, methods)
+            print_table(tables["f"])
         if need_tiny:
             with tiny_server(True) as tiny:
                 if "d" in sections:

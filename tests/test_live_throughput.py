@@ -35,9 +35,10 @@ lt = _load_bench()
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One quick run of the stand-in sections a, b, c, d (a small live runner in c), as a user runs it."""
+    """One quick run of the stand-in sections a, b, c, d, f (a small live runner in c, two baselines
+    live in f), as a user runs it."""
     out = tmp_path_factory.mktemp("live-throughput") / "tables.json"
-    cmd = [sys.executable, str(BENCH), "--quick", "--sections", "a,b,c,d", "--no-tiny-server", "--in-flight", "64",
+    cmd = [sys.executable, str(BENCH), "--quick", "--sections", "a,b,c,d,f", "--no-tiny-server", "--in-flight", "64",
            "--agents", "12", "--tasks", "24", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,7 +47,7 @@ def quick_run(tmp_path_factory):
 
 def test_every_table_has_its_columns(quick_run):
     result, stdout = quick_run
-    assert set(result["tables"]) == {"a", "b", "c", "d"}
+    assert set(result["tables"]) == {"a", "b", "c", "d", "f"}
     for name, table in result["tables"].items():
         assert table["columns"] == lt.COLUMNS[name]
         assert table["rows"], name
@@ -98,6 +99,21 @@ def test_c_batched_runner_and_its_sequential_equivalent(quick_run):
     assert row["ratio"] == pytest.approx(row["sequential_s"] / row["wall_s"])
     assert row["wall_excl_compile_s"] <= row["wall_s"] and row["in_run_batch_s"] < row["wall_s"]
     assert 1 <= row["server_max_in_flight"] <= 3 * row["slots"]  # at most 3 calls per slot per round
+
+
+def test_f_baselines_send_each_call_site_of_both_streams_together(quick_run):
+    rows = {r["method"]: r for r in quick_run[0]["tables"]["f"]["rows"]}
+    assert set(rows) == {"raps", "sac"}
+    for row in rows.values():
+        assert (row["streams"], row["tasks"]) == (2, 84)
+        assert row["requests"] == row["http_calls"]  # one HTTP call per request (n = 1, no cache)
+        assert row["requests_per_batch"] == pytest.approx(row["requests"] / row["batches"])
+        assert row["sequential_s"] == pytest.approx(row["http_calls"] * 0.05)
+        assert row["ideal_batched_s"] == pytest.approx(row["batches"] * 0.05)
+        assert row["in_run_batch_s"] < row["wall_s"]
+    assert rows["raps"]["requests_per_batch"] == 2.0  # one call per site and stream, both streams at once
+    assert rows["raps"]["requests"] == 84 * 4  # infer, contribute, watchdog, finalize on every BBH task
+    assert rows["sac"]["max_batch"] == 12  # a round's evaluations: 3 teams x 2 others x 2 streams
 
 
 def test_d_n3_is_one_request_with_the_same_counted_tokens(quick_run):
