@@ -291,6 +291,26 @@ def judge(
     return _judge_math(prediction_text, str(gold))
 
 
+def same_answer(dataset: str, a: str | None, b: str | None) -> bool:
+    """Whether two extracted answers (`Judgement.answer` of two replies to one question) say the
+    same thing, by the scorer's own normalisation: option letters and normalised text (BBH,
+    MMLU-Pro; a judged option answer is already its letter), equal numbers, and math-verify
+    equivalence for MATH. A missing answer equals nothing. Used for votes over wrong answers."""
+    _check_dataset(dataset)
+    if a is None or b is None:
+        return False
+    x, y = _normalise_text(a), _normalise_text(b)
+    if x == y:
+        return True
+    if dataset != "math":
+        u, v = _as_number(x), _as_number(y)
+        return u is not None and v is not None and u == v
+    first, second = _parse_math(a), _parse_math(b)
+    if not (any(_is_expression(e) for e in first) and any(_is_expression(e) for e in second)):
+        return False
+    return bool(_math_verify().verify(first, second, timeout_seconds=_timeout()))
+
+
 def score(
     dataset: str, prediction_text: str | None, gold: str, options: tuple[str, ...] | list[str] | None = None
 ) -> bool:

@@ -5,7 +5,7 @@ composition, refinement, generation, chain-of-thought resamples, inference).
     frames = run_live_baselines("raps", specs, "default", LiveConfig(servers=(strong, weak)),
                                 load_sample("bbh"), run_dir=Path("runs/live-raps"))
 
-How (decisions B8): a baseline is one compiled program per method, `lax.scan` over a stream's
+How (decisions B7): a baseline is one compiled program per method, `lax.scan` over a stream's
 tasks, `vmap` over streams (`baselines.run`). With `Emu.live` set, every call site of that
 program becomes a `jax.pure_callback` into `LiveBaselineHost.answer` that carries the calls of
 that site for EVERY stream at once (vmap's `broadcast_all`): the host builds their prompts from
@@ -57,6 +57,43 @@ from meshheal_jax.backends.live_loop import (
 from meshheal_jax.baselines import common as C
 from meshheal_jax.data import Record, pick_questions, question_pool
 from meshheal_jax.errors import MeshHealError
+
+
+def _bounded(fn, dataset: str, *args):
+    """fn(dataset, *args), for MATH in a daemon thread given 3 x scoring.MATH_TIMEOUT_S (None past
+    it): the host runs in XLA's callback threads, where math-verify's signal-based limits cannot
+    work, and one pathological reply must not hang a live run."""
+    if dataset != "math":
+        return fn(dataset, *args)
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(dataset, *args)
+        except BaseException as err:  # noqa: BLE001 -- re-raised below
+            box["error"] = err
+
+    worker = threading.Thread(target=run, name="live-baselines-judge", daemon=True)
+    worker.start()
+    worker.join(3 * scoring.MATH_TIMEOUT_S)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def make_call_id(op: str, execution: int, visit: int, round_: int = 0, other: int = 0) -> int:
+    """A call's id within its task (request seeds derive from it): unique per (call site,
+    execution, visit, round, other team / retry) while execution < 8, visit < 64, round < 8,
+    other < 8 (at most 5 executions, 10 visits, 2 rounds and 4 others occur)."""
+    return ((C.LIVE_OPS.index(op) * 8 + execution) * 64 + visit) * 64 + 8 * round_ + other
+
+
+def call_site(call_id: int) -> dict[str, int | str]:
+    """make_call_id's fields back from an id (traces, tests)."""
+    rest, sub = divmod(call_id, 64)
+    rest, visit = divmod(rest, 64)
+    op, execution = divmod(rest, 8)
+    return {"op": C.LIVE_OPS[op], "execution": execution, "visit": visit, "round": sub // 8, "other": sub % 8}
 
 
 @dataclasses.dataclass
@@ -177,19 +214,21 @@ class LiveBaselineHost:
 
     def _answer_id(self, s: int, t: int, text: str) -> int:
         """0 for a correct answer; a wrong one takes the id of the first earlier wrong answer of the
-        task the scorer finds equal to it (the scorer as the normaliser: letters, text, math-verify
-        equivalence), else the next id; an answer that states none agrees with nothing."""
+        task the scorer's normalisation finds equal to it (`scoring.same_answer`: option letters,
+        text, numbers, math-verify equivalence), else the next id; an answer that states none
+        agrees with nothing."""
         stream = self.streams[s]
         record = stream.records[t - 1]
         dataset = stream.profile.dataset
-        judged = scoring.judge(dataset, text, record.gold, record.options)
+        judged = _bounded(scoring.judge, dataset, text, record.gold, record.options)
+        if judged is None:  # math-verify ran past its limit: an answer nobody can agree with
+            judged = scoring.Judgement(False, scoring.UNPARSABLE, None)
         if judged.correct:
             return 0
         wrong = self.wrong_answers.setdefault((s, t), [])
-        if judged.answer is not None:
-            for k, earlier in enumerate(wrong, start=1):
-                if earlier is not None and scoring.judge(dataset, text, earlier, record.options).correct:
-                    return k
+        for k, earlier in enumerate(wrong, start=1):
+            if _bounded(scoring.same_answer, dataset, judged.answer, earlier):
+                return k
         wrong.append(judged.answer)
         return len(wrong)
 
@@ -204,8 +243,7 @@ class LiveBaselineHost:
         profile, ex = stream.profile, self._execution(s, int(a["t"]), int(a.get("execution", 0)))
         agent, role = int(a["agent"]), C.ROLE_NAMES[int(a["role"])]
         visit = int(a.get("visit", 0))
-        sub = 8 * int(a.get("round", 0)) + int(a.get("other", a.get("attempt", 0)))
-        call_id = ((C.LIVE_OPS.index(op) * 8 + e) * 64 + visit) * 64 + sub
+        call_id = make_call_id(op, e, visit, int(a.get("round", 0)), int(a.get("other", a.get("attempt", 0))))
         dataset = profile.dataset
         record = stream.records[t - 1]
         accepted = [prior for _, prior in ex.accepted]
@@ -359,7 +397,7 @@ def live_baseline_tables(
 
     `client`: an open SyncLiveClient (or any object with its `run_batch`; left open) or a LiveConfig (opened with a ResponseCache at
     `cache_path` or run_dir/responses.sqlite, closed at the end). With `run_dir`, the per-request
-    trace goes to run_dir/live_trace.parquet. Raises the client's error when a server stays down:
+    trace is appended to run_dir/live_trace.parquet (`request` numbers the rows of one call). Raises the client's error when a server stays down:
     every reply received is cached, and calling again with the same arguments resumes."""
     from meshheal_jax.baselines import run as R
 
@@ -373,8 +411,11 @@ def live_baseline_tables(
     try:
         tables = R.run_baseline_streams(method, specs, pair, params, live=host)
     finally:
-        if run_dir is not None and host.trace:
-            pl.DataFrame(host.trace, infer_schema_length=None).write_parquet(run_dir / TRACE_FILE)
+        if run_dir is not None and host.trace:  # appended: a resumed run keeps the earlier rows
+            trace = pl.DataFrame(host.trace, infer_schema_length=None)
+            if (run_dir / TRACE_FILE).exists():
+                trace = pl.concat([pl.read_parquet(run_dir / TRACE_FILE), trace], how="diagonal_relaxed")
+            trace.write_parquet(run_dir / TRACE_FILE)
         if owned:
             cache = live.client.cache
             live.close()

@@ -202,7 +202,8 @@ def task_step(params: AgentNetParams, emu: C.Emu, world: C.World, state: AgentNe
         role = C.role_of(world, path.agent, -1, t)
         if emu.live:  # the router LLM names a neighbour; one it may not use -> the score rule
             usable, eligible, score = router_inputs(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty)
-            r = C.live_reply("router", world, t, valid & (s >= 0) & usable.any(), after=path.draft_tokens,
+            asked = (s >= 0) & usable.any()  # no candidate to name: no call (and none recorded)
+            r = C.live_reply("router", world, t, valid & asked, after=path.draft_tokens,
                              agent=path.agent, role=role, ability=s, visit=v, execution=0,
                              vectors={"usable": usable, "eligible": eligible, "score": score,
                                       "estimate": state.ability[:, jnp.maximum(s, 0)],
@@ -211,12 +212,13 @@ def task_step(params: AgentNetParams, emu: C.Emu, world: C.World, state: AgentNe
                                    uc[D.U_AUX], d.route[v, D.HOP_TIE], named=r.choice)  # fmt: skip
             prompt, completion, request = r.prompt, r.completion, r.request
         else:
+            asked = True
             decide_ok = (uc[D.U_MAIN] < emu.p_decide[role]) | (not params.router_uses_p_decide)
             j, _ = router_decision(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty, decide_ok,
                                    uc[D.U_AUX], d.route[v, D.HOP_TIE])  # fmt: skip
             prompt = emu.prompt[role, C.K_ROUTER] + emu.question_tokens + path.draft_tokens
             completion, request = C.completion_tokens(emu, role, C.K_ROUTER, uc[D.U_TOKENS]), -1
-        call = C.make_call(True, C.K_ROUTER, v, path.agent, role, prompt, completion, ability=s,
+        call = C.make_call(asked, C.K_ROUTER, v, path.agent, role, prompt, completion, ability=s,
                            correct=(j >= 0) & world.holds[jnp.maximum(j, 0), jnp.maximum(s, 0)],
                            request=request)  # fmt: skip
         return mstate, C.Hop(j, jnp.where(j < 0, C.E_NO_ROUTE, C.E_NONE).astype(jnp.int32), call)

@@ -355,6 +355,8 @@ def live_host(host):
 
 def _answer(op: str, valid, scalars, vectors):
     host = _HOST[0]
+    if host is None:  # a program still running after its run was abandoned: send nothing
+        return {k: np.full(np.shape(valid), _DEFAULTS[k], dtype) for k, dtype in REPLY_FIELDS.items()}
     out = host.answer(op, np.asarray(valid), {k: np.asarray(v) for k, v in scalars.items()},
                       {k: np.asarray(v) for k, v in vectors.items()})  # fmt: skip
     shape = np.shape(valid)

@@ -52,12 +52,17 @@ def _run_streams(method: str, params, emus: C.Emu, worlds: C.World, uniforms: C.
     module = METHODS[method]
 
     def one_stream(emu, world, uniforms):
-        def step(state, xs):
+        def step(carry, xs):
+            state, token = carry
             t, u = xs
-            return module.task_step(params, emu, world, state, t, u)
+            if emu.live:  # task t's calls wait on every reply of task t - 1 (a data dependency)
+                t = jnp.where(token < -(2**30), -1, t).astype(jnp.int32)
+            state, out = module.task_step(params, emu, world, state, t, u)
+            return (state, jnp.max(out.calls.request)), out
 
-        state = module.init_state(params, world)
-        return jax.lax.scan(step, state, (jnp.arange(1, n_tasks + 1, dtype=jnp.int32), uniforms))
+        carry = (module.init_state(params, world), jnp.int32(-1))
+        (state, _), outs = jax.lax.scan(step, carry, (jnp.arange(1, n_tasks + 1, dtype=jnp.int32), uniforms))
+        return state, outs
 
     return jax.vmap(one_stream)(emus, worlds, uniforms)
 
@@ -122,7 +127,12 @@ def _run_live(host, program):
                 pass
         except KeyboardInterrupt:
             host.stop(KeyboardInterrupt("live baseline run interrupted; every reply received is in the response cache"))
-            finished.wait()
+            while True:  # the program ends quickly once nothing is sent; a second Ctrl-C waits too
+                try:
+                    finished.wait()
+                    break
+                except KeyboardInterrupt:
+                    continue
             raise
     if "error" in result:
         raise result["error"]
