@@ -395,10 +395,12 @@ def live_baseline_tables(
     """Run a baseline's streams against live models; per stream the four record tables as lists
     of row dicts (as `baselines.run_baseline_streams`).
 
-    `client`: an open SyncLiveClient (or any object with its `run_batch`; left open) or a LiveConfig (opened with a ResponseCache at
-    `cache_path` or run_dir/responses.sqlite, closed at the end). With `run_dir`, the per-request
-    trace is appended to run_dir/live_trace.parquet (`request` numbers the rows of one call). Raises the client's error when a server stays down:
-    every reply received is cached, and calling again with the same arguments resumes."""
+    `client`: an open SyncLiveClient (or any object with its `run_batch`; left open) or a
+    LiveConfig (opened with a ResponseCache at `cache_path` or run_dir/responses.sqlite, closed
+    at the end). With `run_dir`, the per-request trace is appended to run_dir/live_trace.parquet
+    (`request` numbers the rows of one call; a resumed call adds its replayed rows, marked
+    `from_cache`). Raises the client's error when a server stays down: every reply received is
+    cached, and calling again with the same arguments resumes."""
     from meshheal_jax.baselines import run as R
 
     run_dir = Path(run_dir) if run_dir is not None else None
