@@ -13,6 +13,7 @@ and the real openai client against the scripted HTTP stand-ins of test_live_loop
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import numpy as np
@@ -380,8 +381,14 @@ def test_ctrl_c_stops_sending_and_raises():
             return super().run_batch(requests)
 
     client = Interrupting()
-    with pytest.raises(KeyboardInterrupt):
-        run_live_baselines("sac", bbh_specs(), "default", client, RECORDS)
+    # a background job (nohup ... &) starts with SIGINT ignored, and then Python has no handler
+    # for interrupt_main to trip: install the terminal's default for this test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_live_baselines("sac", bbh_specs(), "default", client, RECORDS)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(client.batches) == 4  # the batch in flight finishes; nothing is sent after the stop
 
 
