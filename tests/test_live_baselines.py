@@ -368,7 +368,9 @@ def test_agentnet_records_exactly_the_router_calls_it_sends():
     assert any(t["end"] == "no route" for r in rows for t in r["tasks"])  # the case this checks
 
 
-def test_ctrl_c_stops_sending_and_raises():
+def ctrl_c_scenario() -> int:
+    """SAC live with a Ctrl-C during the 4th batch; returns the batches sent (raises
+    KeyboardInterrupt as the run should). Run in a child process by the test below."""
     import _thread
 
     class Interrupting(ScriptedClient):
@@ -381,15 +383,28 @@ def test_ctrl_c_stops_sending_and_raises():
             return super().run_batch(requests)
 
     client = Interrupting()
-    # a background job (nohup ... &) starts with SIGINT ignored, and then Python has no handler
-    # for interrupt_main to trip: install the terminal's default for this test
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run_live_baselines("sac", bbh_specs(), "default", client, RECORDS)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert len(client.batches) == 4  # the batch in flight finishes; nothing is sent after the stop
+        run_live_baselines("sac", bbh_specs(), "default", client, RECORDS)
+    except KeyboardInterrupt:
+        return len(client.batches)
+    raise AssertionError("the run did not raise KeyboardInterrupt")
+
+
+def test_ctrl_c_stops_sending_and_raises():
+    # In a child process with SIGINT at its default, as in a terminal: a background job
+    # (nohup ... &) starts with SIGINT ignored, and this process's handlers stay untouched.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from test_live_baselines import ctrl_c_scenario; "
+            "print('batches', ctrl_c_scenario())")  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True, timeout=600,
+        check=False, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["batches", "4"]  # the batch in flight finishes; nothing after
 
 
 # ----------------------------------------------------------------------------------------------
