@@ -13,7 +13,6 @@ and the real openai client against the scripted HTTP stand-ins of test_live_loop
 from __future__ import annotations
 
 import json
-import signal
 import time
 
 import numpy as np
@@ -397,11 +396,12 @@ def test_ctrl_c_stops_sending_and_raises():
     import sys
     from pathlib import Path
 
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from test_live_baselines import ctrl_c_scenario; "
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.path.insert(0, sys.argv[1]); from test_live_baselines import ctrl_c_scenario; "
             "print('batches', ctrl_c_scenario())")  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True, timeout=600,
-        check=False, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-2:] == ["batches", "4"]  # the batch in flight finishes; nothing after
