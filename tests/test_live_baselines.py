@@ -303,8 +303,6 @@ def test_answer_ids_compare_answers_as_the_scorer_does():
 
 
 def test_answer_ids_of_option_questions_compare_letters():
-    from meshheal_jax.data import load_sample
-    from meshheal_jax.topology import load_profile
 
     # BBH: a multiple-choice question (gold "(X)"): the same wrong option, however written, one id
     host = LiveBaselineHost(bbh_specs((0,)), RECORDS, ScriptedClient())
@@ -318,12 +316,7 @@ def test_answer_ids_of_option_questions_compare_letters():
     ]
     assert ids[0] >= 1 and len(set(ids)) == 1
     # MMLU-Pro: an unparsable answer, then a wrong letter twice: no error, two ids
-    profile = load_profile("mmlu_pro")
-    records = load_sample("mmlu_pro")
-    stream = make_stream(0, profile.dataset_id, 42, len(profile.task_types), (1, 22), ("healthy", "degraded"))
-    spec = BaselineSpec(build_network(profile, 6), stream, persistent_schedule(6, 42, (2, 4)), {"seed": 0})
-    host = LiveBaselineHost([spec], records, ScriptedClient())
-    host._execution(0, 1, 0)
+    host = first_task_host("mmlu_pro")
     letter = next(c for c in "ABCDEFGHIJ" if c != host.streams[0].records[0].gold.strip().upper())
     garbled = host._answer_id(0, 1, "RESULT: no idea, maybe the second one")
     assert (
@@ -331,16 +324,21 @@ def test_answer_ids_of_option_questions_compare_letters():
     )
 
 
-def test_math_answer_ids_use_math_equivalence():
+def first_task_host(dataset: str) -> LiveBaselineHost:
+    """A host for one 42-task stream of `dataset` (its packaged sample), at its first task."""
     from meshheal_jax.data import load_sample
     from meshheal_jax.topology import load_profile
 
-    profile = load_profile("math")
-    records = load_sample("math")
-    full = make_stream(0, profile.dataset_id, 42, len(profile.task_types), (1, 22), ("healthy", "degraded"))
-    spec = BaselineSpec(build_network(profile, 6), full, persistent_schedule(6, 42, (2, 4)), {"seed": 0})
-    host = LiveBaselineHost([spec], records, ScriptedClient())
+    profile = load_profile(dataset)
+    stream = make_stream(0, profile.dataset_id, 42, len(profile.task_types), (1, 22), ("healthy", "degraded"))
+    spec = BaselineSpec(build_network(profile, 6), stream, persistent_schedule(6, 42, (2, 4)), {"seed": 0})
+    host = LiveBaselineHost([spec], load_sample(dataset), ScriptedClient())
     host._execution(0, 1, 0)
+    return host
+
+
+def test_math_answer_ids_use_math_equivalence():
+    host = first_task_host("math")
     half = host._answer_id(0, 1, "RESULT: \\frac{1}{2} + 1000")
     assert half >= 1 and host._answer_id(0, 1, "RESULT: 1000.5") == half  # equal as mathematics
     assert host._answer_id(0, 1, "RESULT: 1001") not in (0, half)
