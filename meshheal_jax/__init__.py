@@ -6,9 +6,15 @@ import os
 # body both reads and updates in place: the detector's (N, T, A, W) windows were copied on every
 # observation (O(N) per task, 10x slower at 96 agents). Set before JAX starts its CPU backend;
 # a user's own XLA_FLAGS are kept.
-_FLAG = "--xla_cpu_copy_insertion_use_region_analysis=true"
-if "xla_cpu_copy_insertion_use_region_analysis" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+#
+# XLA's CPU code generation is capped at AVX2: jaxlib 0.10.2's LLVM aborts the whole process while
+# compiling some of the engine's programs for AVX-512 (seen on an AMD EPYC Zen 4: "LLVM ERROR:
+# Cannot select: ... X86ISD::SUBV_BROADCAST_LOAD" in a small fusion). Without AVX-512 the same
+# programs compile and run; on CPUs without it nothing changes. A user's own cap is kept.
+_FLAGS = {"xla_cpu_copy_insertion_use_region_analysis": "true", "xla_cpu_max_isa": "AVX2"}
+for _name, _value in _FLAGS.items():
+    if _name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_name}={_value}").strip()
 
 # Compiled programs are kept on disk (JAX's persistent compilation cache), so a command run again
 # with the same shapes skips XLA compilation (15-30 s of a 576-agent run on a laptop CPU). Set through
