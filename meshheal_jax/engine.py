@@ -1209,8 +1209,9 @@ def initial_carry(cfg: EngineConfig, world: World) -> Carry:
 
 @pytree
 class DrawWindow:
-    """The draws of tasks first .. first + W - 1, made in one batched call at a chunk's start
-    (per-task threefry calls inside the scan cost more than the whole round)."""
+    """The draws of tasks first .. first + W - 1, made in one batched call (per-task threefry
+    calls inside the scan cost more than the whole round). A scan refills it as it goes
+    (`refill_window`), so every task a round starts lies inside it."""
 
     first: jax.Array  # () int32
     draws: D.TaskDraws  # leading (W,)
@@ -1221,15 +1222,18 @@ def draw_window(world: World, first, width: int) -> DrawWindow:
     return DrawWindow(first, jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts))
 
 
-def slot_draws(world: World, window: DrawWindow, ts) -> D.TaskDraws:
-    """(S,) tasks' draws: gathered from the window, or made on the spot when some task lies
-    beyond it (rare: more tasks started in the chunk than the window's width). Identical either way."""
+def refill_window(world: World, window: DrawWindow, next_t, slots: int) -> DrawWindow:
+    """The window, redrawn from next_t when this round's tasks (at most next_t .. next_t +
+    slots - 1) could pass its end. One stream's need redraws every stream's (the predicate stays
+    unbatched); the draws are a function of t alone, so which window holds them changes nothing."""
     width = window.draws.entry.shape[0]
-    k = ts - window.first
-    inside = jnp.all((k >= 0) & (k < width))
-    return jax.lax.cond(across_streams(~inside),
-                        lambda: jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts),
-                        lambda: at(window.draws, jnp.clip(k, 0, width - 1)))  # fmt: skip
+    return jax.lax.cond(across_streams(next_t + slots > window.first + width),
+                        lambda: draw_window(world, next_t, width), lambda: window)  # fmt: skip
+
+
+def slot_draws(window: DrawWindow, ts) -> D.TaskDraws:
+    """(S,) tasks' draws, gathered from a window that holds them (`refill_window`)."""
+    return at(window.draws, ts - window.first)
 
 
 def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry, window: DrawWindow) -> Carry:
@@ -1242,7 +1246,7 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry, window
     ts = jnp.minimum(ts, cfg.n_tasks)
 
     def start():
-        draws = slot_draws(world, window, ts)
+        draws = slot_draws(window, ts)
         started = jax.vmap(lambda slot, t, d: dataclasses.replace(_start(cfg, p, world, carry.net, slot, t, d),
                                                                   pair=jnp.int32(-1)))(slots, ts, draws)  # fmt: skip
 
@@ -1322,11 +1326,11 @@ TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace p
 # are unchanged (no fast math at any level), so results are identical.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
-# A chunk draws the next slots * n_rounds / WINDOW_ROUNDS_PER_TASK tasks' uniforms at its start
-# (`draw_window`); a task beyond them is drawn on the spot (the same draws). A task takes at least
-# 3 rounds and about 6 in a busy network (5.7 in the healthy phase at 576 agents, 11 in the
-# degraded one); 3 drew twice the tasks a chunk uses, and threefry was a third of the round.
-WINDOW_ROUNDS_PER_TASK = 6
+# The draw window of a chunk holds WINDOW_SLOTS * slots tasks and is redrawn when a round could
+# pass its end (`refill_window`): ~1.1x the draws a chunk uses. (A fixed window of slots *
+# rounds / 6 tasks drew up to twice what a degraded-phase chunk uses, and ran past its end in
+# the healthy phase; threefry was a fifth of a 576-agent round.)
+WINDOW_SLOTS = 8
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
@@ -1335,11 +1339,18 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
     TRACES["run_rounds"] += 1
 
-    width = min(cfg.n_tasks, max(2 * cfg.slots, cfg.slots * n_rounds // WINDOW_ROUNDS_PER_TASK))
+    width = min(cfg.n_tasks, WINDOW_SLOTS * cfg.slots)
 
     def one_stream(p, world, carry):
+        def step(state, _):
+            carry, window = state
+            window = refill_window(world, window, carry.next_t, cfg.slots)
+            carry, records = round_step(cfg, p, world, carry, window)
+            return (carry, window), records
+
         window = draw_window(world, carry.next_t, width)
-        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c, window), carry, None, length=n_rounds)
+        (carry, _), records = jax.lax.scan(step, (carry, window), None, length=n_rounds)
+        return carry, records
 
     return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
 
