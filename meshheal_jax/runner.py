@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import polars as pl
@@ -431,12 +432,18 @@ def run_baseline_streams(
     return out
 
 
+def _write_tables(folder: Path, frames: dict[str, pl.DataFrame]) -> None:
+    """One parquet file per table, written side by side (polars writes without the GIL)."""
+    with ThreadPoolExecutor(len(frames) or 1) as pool:
+        for done in [pool.submit(df.write_parquet, folder / f"{name}.parquet") for name, df in frames.items()]:
+            done.result()
+
+
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
     tmp = part.with_name(part.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for name, df in frames.items():
-        df.write_parquet(tmp / f"{name}.parquet")
+    _write_tables(tmp, frames)
     tmp.rename(part)
 
 
@@ -457,6 +464,11 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
     exp.validate()
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
+    finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
+
+    def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
+        _write_part(_part_dir(run_dir, *stream), frames)
+        finished[stream] = frames
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(
             f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo)
@@ -471,15 +483,12 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
                         description=f"{exp.name}: meshheal, live backend, pair={pair}, {len(batch)} streams",
                     )
                     for stream, frames in zip(batch, run_live_streams(exp, batch, run_dir)):
-                        _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
+                        keep(("meshheal", *stream), frames)
                         bar.advance(job)
         elif exp.engine == "reference":
             for dataset, pair, seed in mine:
                 bar.update(job, description=f"{exp.name}: meshheal {dataset} pair={pair} seed={seed}")
-                _write_part(
-                    _part_dir(run_dir, "meshheal", dataset, pair, seed),
-                    run_one_stream(exp, dataset, pair, seed),
-                )
+                keep(("meshheal", dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
                 bar.advance(job)
         else:
             for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
@@ -495,7 +504,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
                                                 f"{done:,}/{total:,} tasks")  # fmt: skip
 
                 for stream, frames in zip(batch, run_jax_streams(exp, batch, tick)):
-                    _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
+                    keep(("meshheal", *stream), frames)
                     bar.advance(job)
         for method in exp.baselines():  # one compiled program per method (and pair)
             for pair in exp.pairs:
@@ -504,17 +513,20 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
                     continue
                 bar.update(job, description=f"{exp.name}: {method}, pair={pair}, {len(batch)} streams")
                 for stream, frames in zip(batch, run_baseline_streams(exp, method, batch, run_dir)):
-                    _write_part(_part_dir(run_dir, method, *stream), frames)
+                    keep((method, *stream), frames)
                     bar.advance(job)
-    frames = {
-        name: pl.concat([pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet") for s in exp.streams()])
-        if name in exp.tables
-        else pl.DataFrame(schema=metrics.SCHEMAS[name])
-        for name in TABLES
-    }
-    for name, df in frames.items():
-        df.write_parquet(run_dir / f"{name}.parquet")
-    summary = summarize(exp, frames)
+
+    def whole(name: str) -> pl.DataFrame:
+        if name not in exp.tables:
+            return pl.DataFrame(schema=metrics.SCHEMAS[name])
+        return pl.concat([finished[s][name] if s in finished else pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet")
+                          for s in exp.streams()])  # fmt: skip
+
+    frames = {name: whole(name) for name in TABLES}
+    with ThreadPoolExecutor(1) as pool:  # the whole tables are written while the summary is computed
+        written = pool.submit(_write_tables, run_dir, frames)
+        summary = summarize(exp, frames)
+        written.result()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
 
