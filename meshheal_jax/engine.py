@@ -1182,12 +1182,28 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
 
 
 @pytree
+class DrawWindow:
+    """The draws of tasks first .. first + W - 1, made in one batched call (per-task threefry
+    calls inside the scan cost more than the whole round). It travels in the carry and is redrawn
+    when a round could pass its end (`refill_window`), so every task a round starts lies inside it."""
+
+    first: jax.Array  # () int32
+    draws: D.TaskDraws  # leading (W,)
+
+
+def draw_window(world: World, first, width: int) -> DrawWindow:
+    ts = first + jnp.arange(width, dtype=jnp.int32)
+    return DrawWindow(first, jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts))
+
+
+@pytree
 class Carry:
     net: Net
     slots: Slots
     backend: Backend
     draws: D.TaskDraws  # (S, ...) the draws of each slot's task
     next_t: jax.Array  # next task to enter
+    window: DrawWindow  # the draws of the next tasks (`window_width`; refilled as tasks are taken)
 
 
 @pytree
@@ -1202,24 +1218,22 @@ class RoundRecords:
     finished_truth: jax.Array  # (S, 2) backend: answer correct, pair correct
 
 
+# The draw window holds WINDOW_SLOTS * slots tasks; it is redrawn from the next task when a round
+# could pass its end, ~every (WINDOW_SLOTS - 1) * 6 rounds. (A window drawn at each chunk's start,
+# slots * rounds / 6 wide, drew up to twice what a degraded-phase chunk uses and ran past its end
+# in the healthy phase, where the tasks beyond it were drawn on the spot for every slot: threefry
+# was a fifth of a 576-agent round.)
+WINDOW_SLOTS = 8
+
+
+def window_width(cfg: EngineConfig) -> int:
+    return min(cfg.n_tasks, WINDOW_SLOTS * cfg.slots)
+
+
 def initial_carry(cfg: EngineConfig, world: World) -> Carry:
     draws = jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(jnp.ones(cfg.slots, jnp.int32))
-    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), draws, jnp.int32(1))
-
-
-@pytree
-class DrawWindow:
-    """The draws of tasks first .. first + W - 1, made in one batched call (per-task threefry
-    calls inside the scan cost more than the whole round). A scan refills it as it goes
-    (`refill_window`), so every task a round starts lies inside it."""
-
-    first: jax.Array  # () int32
-    draws: D.TaskDraws  # leading (W,)
-
-
-def draw_window(world: World, first, width: int) -> DrawWindow:
-    ts = first + jnp.arange(width, dtype=jnp.int32)
-    return DrawWindow(first, jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts))
+    return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), draws, jnp.int32(1),
+                 draw_window(world, jnp.int32(1), window_width(cfg)))  # fmt: skip
 
 
 def refill_window(world: World, window: DrawWindow, next_t, slots: int) -> DrawWindow:
@@ -1236,10 +1250,11 @@ def slot_draws(window: DrawWindow, ts) -> D.TaskDraws:
     return at(window.draws, ts - window.first)
 
 
-def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry, window: DrawWindow) -> Carry:
+def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Carry:
     """Idle slots take the next tasks, in slot order (continuous batching); RawRelay from the
     entry agent reads the network as it stands (vectorised over slots)."""
     slots = carry.slots
+    window = refill_window(world, carry.window, carry.next_t, cfg.slots)
     idle = slots.phase == IDLE
     ts = (carry.next_t + jnp.cumsum(idle) - 1).astype(jnp.int32)
     wants = idle & (ts <= cfg.n_tasks)
@@ -1258,15 +1273,13 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry, window
 
     slots, backend, draws = jax.lax.cond(across_streams(wants.any()), start,
                                          lambda: (slots, carry.backend, carry.draws))  # fmt: skip
-    return dataclasses.replace(carry, slots=slots, backend=backend, draws=draws, next_t=(carry.next_t + wants.sum()).astype(jnp.int32))
+    return dataclasses.replace(carry, slots=slots, backend=backend, draws=draws, window=window,
+                               next_t=(carry.next_t + wants.sum()).astype(jnp.int32))  # fmt: skip
 
 
-def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry,
-               window: DrawWindow | None = None) -> tuple[Carry, RoundRecords]:  # fmt: skip
+def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, RoundRecords]:
     # 1. idle slots take the next tasks
-    if window is None:
-        window = draw_window(world, carry.next_t, cfg.slots)
-    carry = _take_tasks(cfg, p, world, carry, window)
+    carry = _take_tasks(cfg, p, world, carry)
     # 2. emit -> backend
     requests = emit(cfg, p, world, carry.slots)
     backend, responses = emulate(cfg, p, world, carry.backend, requests, carry.draws)
@@ -1276,7 +1289,7 @@ def round_step(cfg: EngineConfig, p: Params, world: World, carry: Carry,
 
 def begin_round(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tuple[Carry, Requests]:
     """Live backends: idle slots take tasks, then the round's requests (one stream, no vmap)."""
-    carry = _take_tasks(cfg, p, world, carry, draw_window(world, carry.next_t, cfg.slots))
+    carry = _take_tasks(cfg, p, world, carry)
     return carry, emit(cfg, p, world, carry.slots)
 
 
@@ -1308,7 +1321,7 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
                            finished_truth)  # fmt: skip
     slots = dataclasses.replace(slots, phase=jnp.where(finished_mask, IDLE, slots.phase).astype(jnp.int32),
                                 t=jnp.where(finished_mask, 0, slots.t))  # fmt: skip
-    return Carry(net, slots, backend, draws, carry.next_t), records
+    return dataclasses.replace(carry, net=net, slots=slots, backend=backend, draws=draws), records
 
 
 def _empty_review() -> ReviewRecord:
@@ -1326,31 +1339,14 @@ TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace p
 # are unchanged (no fast math at any level), so results are identical.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
-# The draw window of a chunk holds WINDOW_SLOTS * slots tasks and is redrawn when a round could
-# pass its end (`refill_window`): ~1.1x the draws a chunk uses. (A fixed window of slots *
-# rounds / 6 tasks drew up to twice what a degraded-phase chunk uses, and ran past its end in
-# the healthy phase; threefry was a fifth of a 576-agent round.)
-WINDOW_SLOTS = 8
-
-
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
 def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
     """n_rounds rounds of every stream (leading stream axis on world and carry; on p too when
     params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
     TRACES["run_rounds"] += 1
 
-    width = min(cfg.n_tasks, WINDOW_SLOTS * cfg.slots)
-
     def one_stream(p, world, carry):
-        def step(state, _):
-            carry, window = state
-            window = refill_window(world, window, carry.next_t, cfg.slots)
-            carry, records = round_step(cfg, p, world, carry, window)
-            return (carry, window), records
-
-        window = draw_window(world, carry.next_t, width)
-        (carry, _), records = jax.lax.scan(step, (carry, window), None, length=n_rounds)
-        return carry, records
+        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
 
     return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
 
