@@ -1345,10 +1345,42 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
     TRACES["run_rounds"] += 1
 
+    def step(p, world, carry):
+        carry, records = round_step(cfg, p, world, carry)
+        return carry, pack_records(cfg, records)
+
     def one_stream(p, world, carry):
-        return jax.lax.scan(lambda c, _: round_step(cfg, p, world, c), carry, None, length=n_rounds)
+        return jax.lax.scan(lambda c, _: step(p, world, c), carry, None, length=n_rounds)
 
     return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
+
+
+# A round's records leave the scan as one (S, columns) array per dtype, not ~80 arrays: each
+# stacked output is its own dynamic-update-slice kernel, compiled and launched every round.
+# `host_records` takes them apart on the host (numpy views).
+_RECORD_LAYOUTS: dict = {}  # EngineConfig -> (treedef, dtypes, per leaf (group, start, stop, trailing shape))
+
+
+def pack_records(cfg: EngineConfig, records: RoundRecords) -> tuple[jax.Array, ...]:
+    leaves, treedef = jax.tree_util.tree_flatten(records)
+    dtypes = tuple(sorted({str(x.dtype) for x in leaves}))
+    columns: dict[str, list] = {d: [] for d in dtypes}
+    layout = []
+    for x in leaves:
+        group = columns[str(x.dtype)]
+        start = sum(c.shape[1] for c in group)
+        group.append(x.reshape(cfg.slots, -1))
+        layout.append((dtypes.index(str(x.dtype)), start, start + group[-1].shape[1], x.shape[1:]))
+    _RECORD_LAYOUTS[cfg] = (treedef, dtypes, tuple(layout))
+    return tuple(jnp.concatenate(columns[d], axis=1) for d in dtypes)
+
+
+def host_records(cfg: EngineConfig, packed) -> RoundRecords:
+    """`run_rounds`' packed records as a RoundRecords of numpy arrays, leading (streams, rounds, S)."""
+    treedef, _, layout = _RECORD_LAYOUTS[cfg]
+    arrays = [np.asarray(a) for a in packed]
+    leaves = [arrays[g][..., a:b].reshape(arrays[g].shape[:-1] + shape) for g, a, b, shape in layout]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 # Run once per stream batch, so its speed does not matter: XLA's fastest compile (level 0).
@@ -1471,7 +1503,7 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     k = 0
     while not done(cfg, carry).all():
         carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
-        records = jax.tree_util.tree_map(np.asarray, records)
+        records = host_records(cfg, records)
         frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
         if on_progress is not None:
             next_t = np.asarray(carry.next_t)[:n_real]

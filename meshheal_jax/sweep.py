@@ -338,7 +338,7 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
         clock["first_call" if clock["calls"] == 0 else "other_calls"] += time.perf_counter() - start
         clock["calls"] += 1
         start = time.perf_counter()
-        records = jax.tree_util.tree_map(np.asarray, records)
+        records = engine.host_records(cfg, records)
         for s, spec in enumerate(batch.specs):
             kept[s].append(engine.record_frames(spec, engine.at(records, s), tables))
         clock["records"] += time.perf_counter() - start
