@@ -308,9 +308,12 @@ def test_bbh_stream_end_to_end(first_run, stream):
 def test_second_identical_run_sends_nothing(first_run):
     results, run_dir, servers, sent = first_run
     traces = dict(live_loop.TRACES)
+    before = pl.read_parquet(run_dir / live_loop.TRACE_FILE)
     again = run(servers, run_dir)
     assert sum(len(server.chats) for server in servers) == sent  # zero HTTP requests
-    assert pl.read_parquet(run_dir / live_loop.TRACE_FILE)["from_cache"].all()
+    trace = pl.read_parquet(run_dir / live_loop.TRACE_FILE)  # appended: the first call's rows stay
+    assert trace.height == 2 * before.height and trace.head(before.height).equals(before)
+    assert trace.tail(before.height)["from_cache"].all()
     assert same(again, results)  # identical tables, latency included (as first measured)
     assert live_loop.TRACES == traces  # begin / absorb jitted once per shape, not per run or round
 
@@ -346,8 +349,14 @@ def test_interrupted_run_resumes_without_repeats(servers, first_run, tmp_path):
     with pytest.raises(ServerUnavailableError):
         run(servers, tmp_path / "cut")
     assert 0 < sum(len(server.chats) for server in servers) < total
+    cut = pl.read_parquet(tmp_path / "cut" / live_loop.TRACE_FILE)  # the rounds finished before
+    assert cut.height > 0 and not cut["from_cache"].any()
     for server in servers:
         server.fail_after = None
     resumed = run(servers, tmp_path / "cut")  # the same call again resumes from the cache
     assert sum(len(server.chats) for server in servers) == total  # nothing sent twice
+    trace = pl.read_parquet(tmp_path / "cut" / live_loop.TRACE_FILE)  # the cut call's rows kept
+    assert trace.head(cut.height).equals(cut)
+    replay = trace.slice(cut.height)  # the resumed call's rows, replayed from round 0
+    assert replay["round"][0] == 0 and replay["from_cache"].sum() >= cut.height
     assert same(resumed, results, drop=("latency_s",))  # latency measured afresh for what was re-sent

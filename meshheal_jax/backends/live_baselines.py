@@ -53,6 +53,7 @@ from meshheal_jax.backends.live_loop import (
     LiveOptions,
     _open_client,
     _records_for,
+    append_trace,
 )
 from meshheal_jax.baselines import common as C
 from meshheal_jax.data import Record, pick_questions, question_pool
@@ -414,10 +415,7 @@ def live_baseline_tables(
         tables = R.run_baseline_streams(method, specs, pair, params, live=host)
     finally:
         if run_dir is not None and host.trace:  # appended: a resumed run keeps the earlier rows
-            trace = pl.DataFrame(host.trace, infer_schema_length=None)
-            if (run_dir / TRACE_FILE).exists():
-                trace = pl.concat([pl.read_parquet(run_dir / TRACE_FILE), trace], how="diagonal_relaxed")
-            trace.write_parquet(run_dir / TRACE_FILE)
+            append_trace(run_dir / TRACE_FILE, host.trace)
         if owned:
             cache = live.client.cache
             live.close()

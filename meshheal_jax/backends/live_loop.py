@@ -32,8 +32,9 @@ One round, for ALL streams at once:
 
 Records: tasks / reviews / states / calls from `engine.record_frames`; the calls table's
 `model`, `latency_s` and `parse_status` are replaced by the real ones (`trace_rows` of every
-request, mapped per sample). With `run_dir`, the raw per-request trace goes to
-`run_dir/live_trace.parquet` and the response cache defaults to `run_dir/responses.sqlite`.
+request, mapped per sample). With `run_dir`, the raw per-request trace is appended to
+`run_dir/live_trace.parquet` (a resumed call adds its rows after the earlier call's; replayed ones
+are marked `from_cache`) and the response cache defaults to `run_dir/responses.sqlite`.
 
 Resume: every HTTP reply is written to the `ResponseCache` the moment it arrives. Re-running the
 same call replays the whole loop from task 1: the controller is deterministic and every prompt,
@@ -113,6 +114,15 @@ class LiveConfig:
 
 
 TRACES = {"begin": 0, "absorb": 0}  # incremented at trace time: one trace per (cfg, batched)
+
+
+def append_trace(path: Path, rows: list[dict]) -> None:
+    """Append a call's per-request trace rows to the parquet file at `path`: an interrupted
+    call's rows stay, and the resumed call's (mostly `from_cache`) follow them."""
+    trace = pl.DataFrame(rows, infer_schema_length=None)
+    if path.exists():
+        trace = pl.concat([pl.read_parquet(path), trace], how="diagonal_relaxed")
+    trace.write_parquet(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,7 +553,7 @@ def run_live_streams(
                 store.pop((int(s), int(records.finished.t[s, k])), None)
     finally:
         if run_dir is not None and trace:
-            pl.DataFrame(trace, infer_schema_length=None).write_parquet(run_dir / TRACE_FILE)
+            append_trace(run_dir / TRACE_FILE, trace)
         if owned:
             cache = live.client.cache
             live.close()
