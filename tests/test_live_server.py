@@ -200,8 +200,9 @@ def test_live_experiment_through_the_real_server(tiny_server, tmp_path):
     shutil.rmtree(out / "parts")  # as if it had died before finishing the stream
     again = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
-    replay = pl.read_parquet(out / "live-default" / "live_trace.parquet")
-    assert replay["from_cache"].all()  # nothing was sent again
+    replay = pl.read_parquet(out / "live-default" / "live_trace.parquet")  # appended to the first
+    assert replay.height == 2 * trace.height and replay.head(trace.height).equals(trace)
+    assert replay.tail(trace.height)["from_cache"].all()  # nothing was sent again
     assert pl.read_parquet(out / "tasks.parquet").equals(tasks)
 
 
