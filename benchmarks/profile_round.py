@@ -1,0 +1,119 @@
+"""Where a round's time goes: a `jax.profiler` trace of one chunk of the JAX engine's rounds, read
+back as self time per XLA op (a thunk's time minus the ops nested in it), plus the round's cost
+and how many rounds a task takes.
+
+The network is the scale experiment's (replicated bbh profile, sparse graph, slots N/6); the
+profiled chunk starts after `--skip` chunks, so it is past the detector's warm-up. The chunk is
+timed once without the profiler (the per-round figure) and once under it (the op table; the
+profiler roughly doubles the time, so read the table's shares, not its milliseconds).
+
+    python benchmarks/profile_round.py                         # 576 agents, 1 stream, 64 rounds
+    python benchmarks/profile_round.py --agents 6 --streams 64 --top 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sim_throughput as B
+
+from meshheal_jax import engine
+
+
+def self_times(trace_file: Path) -> tuple[collections.Counter, collections.Counter]:
+    """Self time (µs) and count per event name of a perfetto trace (complete events only)."""
+    with gzip.open(trace_file) as f:
+        events = json.load(f)["traceEvents"]
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            by_thread[(e["pid"], e["tid"])].append(e)
+    own, count = collections.Counter(), collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                own[stack[-1]["name"]] -= e["dur"]
+            own[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+            stack.append(e)
+    return own, count
+
+
+# host-side events of the profiler and of JAX's dispatch, not XLA ops
+HOST = ("$", "PjitFunction", "ThunkExecutor", "TfrtCpu", "PjRt")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=576)
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=64, help="rounds in the profiled chunk")
+    ap.add_argument("--skip", type=int, default=3, help="chunks run before it (past the warm-up)")
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+
+    n = args.agents
+    specs = B.make_specs(n, n > 6, args.streams)
+    cfg = engine.engine_config(specs, B.PROTOCOL, max(1, n // 6))
+    params = engine.make_params(B.PROTOCOL, specs[0].pair, specs[0].network.profile, cfg.n_agents)
+    k_max = max(s.network.neighbour_table.shape[1] for s in specs)
+    worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
+    carry = engine.initial_carries(cfg, worlds)
+    for _ in range(args.skip):
+        carry, _ = engine.run_rounds(cfg, params, worlds, carry, args.rounds, False)
+    jax.block_until_ready(carry)
+
+    def chunk():
+        out = engine.run_rounds(cfg, params, worlds, carry, args.rounds, False)
+        jax.block_until_ready(out)
+        return out
+
+    start = time.perf_counter()
+    after, _ = chunk()
+    seconds = time.perf_counter() - start
+    # tasks finished in the chunk = tasks started - growth of the tasks in flight
+    in_flight = lambda c: int(np.asarray(c.slots.phase != engine.IDLE).sum())
+    started = int((np.asarray(after.next_t) - np.asarray(carry.next_t)).sum())
+    finished = started - in_flight(after) + in_flight(carry)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            chunk()
+        own, count = self_times(next(Path(tmp).rglob("*.trace.json.gz")))
+
+    ops = {k: v for k, v in own.items() if not k.startswith(HOST)}
+    dispatch = sum(v for k, v in own.items() if k.startswith("ThunkExecutor::Execute") and "wait" not in k)
+    total = sum(ops.values()) + dispatch
+    slots = cfg.slots * args.streams
+    print(f"{n} agents sparse, {args.streams} stream(s), slots {cfg.slots}, chunk of {args.rounds} rounds "
+          f"after {args.skip} chunks (jax {jax.__version__})")  # fmt: skip
+    print(f"round: {1e3 * seconds / args.rounds:.3f} ms without the profiler; {finished} tasks finished in "
+          f"the chunk: {finished / args.rounds:.2f} tasks per round, {slots * args.rounds / max(finished, 1):.1f} "
+          f"slot-rounds per task")  # fmt: skip
+    print(f"\nunder the profiler: ops {sum(ops.values()) / 1e3:.1f} ms + thunk dispatch "
+          f"{dispatch / 1e3:.1f} ms ({100 * dispatch / total:.0f}%), "
+          f"{sum(count[k] for k in ops) / args.rounds:.0f} op executions per round")  # fmt: skip
+    print("\n| op | share | executions per round | µs per execution |\n|---|---|---|---|")
+    for name, us in sorted(ops.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(
+            f"| {name[:60]} | {100 * us / total:.1f}% | {count[name] / args.rounds:.1f} | {us / count[name]:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
