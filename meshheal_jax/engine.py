@@ -1261,6 +1261,8 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
     ts = jnp.minimum(ts, cfg.n_tasks)
 
     def start():
+        # busy slots' ts are placeholders (next_t - 1 before the first idle slot: index -1 of the
+        # window, wrapped); their draws are discarded by `pick`, only the wanted slots' are read
         draws = slot_draws(window, ts)
         started = jax.vmap(lambda slot, t, d: dataclasses.replace(_start(cfg, p, world, carry.net, slot, t, d),
                                                                   pair=jnp.int32(-1)))(slots, ts, draws)  # fmt: skip
@@ -1358,7 +1360,9 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
 # A round's records leave the scan as one (S, columns) array per dtype, not ~80 arrays: each
 # stacked output is its own dynamic-update-slice kernel, compiled and launched every round.
 # `host_records` takes them apart on the host (numpy views).
-_RECORD_LAYOUTS: dict = {}  # EngineConfig -> (treedef, dtypes, per leaf (group, start, stop, trailing shape))
+# The layout depends on the EngineConfig alone (record shapes are (S, ...) with fields sized by
+# cfg); a trace that finds another layout for the same cfg is an error, not a silent overwrite.
+_RECORD_LAYOUTS: dict = {}  # EngineConfig -> (treedef, per leaf (group, start, stop, trailing shape))
 
 
 def pack_records(cfg: EngineConfig, records: RoundRecords) -> tuple[jax.Array, ...]:
@@ -1371,13 +1375,15 @@ def pack_records(cfg: EngineConfig, records: RoundRecords) -> tuple[jax.Array, .
         start = sum(c.shape[1] for c in group)
         group.append(x.reshape(cfg.slots, -1))
         layout.append((dtypes.index(str(x.dtype)), start, start + group[-1].shape[1], x.shape[1:]))
-    _RECORD_LAYOUTS[cfg] = (treedef, dtypes, tuple(layout))
+    entry = (treedef, tuple(layout))
+    if _RECORD_LAYOUTS.setdefault(cfg, entry) != entry:
+        raise AssertionError(f"round records of one EngineConfig traced with two layouts: {cfg}")
     return tuple(jnp.concatenate(columns[d], axis=1) for d in dtypes)
 
 
 def host_records(cfg: EngineConfig, packed) -> RoundRecords:
     """`run_rounds`' packed records as a RoundRecords of numpy arrays, leading (streams, rounds, S)."""
-    treedef, _, layout = _RECORD_LAYOUTS[cfg]
+    treedef, layout = _RECORD_LAYOUTS[cfg]
     arrays = [np.asarray(a) for a in packed]
     leaves = [arrays[g][..., a:b].reshape(arrays[g].shape[:-1] + shape) for g, a, b, shape in layout]
     return jax.tree_util.tree_unflatten(treedef, leaves)

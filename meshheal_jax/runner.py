@@ -525,8 +525,10 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True) -> Resu
     frames = {name: whole(name) for name in TABLES}
     with ThreadPoolExecutor(1) as pool:  # the whole tables are written while the summary is computed
         written = pool.submit(_write_tables, run_dir, frames)
-        summary = summarize(exp, frames)
-        written.result()
+        try:
+            summary = summarize(exp, frames)
+        finally:
+            written.result()  # a failed write surfaces (chained to a failed summary, if any)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
 

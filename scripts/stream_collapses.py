@@ -12,12 +12,15 @@ from pathlib import Path
 
 import polars as pl
 
+from meshheal_jax.metrics import LABELS
+
 
 def collapses(tasks: pl.DataFrame, answered: float, accuracy: float) -> pl.DataFrame:
     swept = [c for c in tasks.columns if c == "grid_point"]
-    group = swept or ["method"]
+    group = swept or [c for c in ("method", "pair") if c in tasks.columns]
     params = tasks.columns[tasks.columns.index("grid_point") + 1 :] if swept else []  # swept values
-    per_stream = tasks.group_by([*group, *params, "dataset", "seed", "phase"]).agg(
+    stream = [c for c in LABELS if c in tasks.columns]  # a stream: method, dataset, pair, seed
+    per_stream = tasks.group_by(list(dict.fromkeys([*group, *params, *stream, "phase"]))).agg(
         pl.col("answered").mean().alias("answered"), pl.col("correct").mean().alias("accuracy")
     )
     return (

@@ -11,11 +11,13 @@ sc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sc)
 
 
-def tasks(answered_by_seed: dict[int, list[bool]], extra: dict | None = None) -> pl.DataFrame:
+def tasks(
+    answered_by_seed: dict[int, list[bool]], extra: dict | None = None, pair: str = "default"
+) -> pl.DataFrame:
     rows = []
     for seed, answered in answered_by_seed.items():
         for t, a in enumerate(answered):
-            rows.append({"method": "meshheal", "dataset": "bbh", "seed": seed, "t": t + 1, "phase": t % 2,
+            rows.append({"method": "meshheal", "dataset": "bbh", "pair": pair, "seed": seed, "t": t + 1, "phase": t % 2,
                          "answered": a, "correct": a and t % 4 < 2, **(extra or {})})  # fmt: skip
     return pl.DataFrame(rows)
 
@@ -38,3 +40,10 @@ def test_a_sweep_groups_by_grid_point_and_keeps_the_swept_columns():
     assert {"grid_point", "min_observations"} <= set(out.columns) and "method" not in out.columns
     per_point = out.group_by("grid_point").agg(pl.col("answered < 0.95").sum()).sort("grid_point")
     assert per_point["answered < 0.95"].to_list() == [0, 2]
+
+
+def test_streams_of_two_pairs_are_counted_apart():
+    frame = pl.concat([tasks({0: [True] * 4}, pair="A"), tasks({0: [False] * 4}, pair="B")])
+    out = sc.collapses(frame, answered=0.95, accuracy=0.7).sort("pair", "phase")
+    assert out["pair"].to_list() == ["A", "A", "B", "B"] and out["streams"].to_list() == [1, 1, 1, 1]
+    assert out["answered < 0.95"].to_list() == [0, 0, 1, 1]

@@ -414,13 +414,15 @@ def live_baseline_tables(
     try:
         tables = R.run_baseline_streams(method, specs, pair, params, live=host)
     finally:
-        if run_dir is not None and host.trace:  # appended: a resumed run keeps the earlier rows
-            append_trace(run_dir / TRACE_FILE, host.trace)
-        if owned:
-            cache = live.client.cache
-            live.close()
-            if cache is not None:
-                cache.close()
+        try:
+            if run_dir is not None and host.trace:  # appended: a resumed run keeps the earlier rows
+                append_trace(run_dir / TRACE_FILE, host.trace)
+        finally:
+            if owned:
+                cache = live.client.cache
+                live.close()
+                if cache is not None:
+                    cache.close()
     return tables
 
 

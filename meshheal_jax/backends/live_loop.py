@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -116,13 +118,30 @@ class LiveConfig:
 TRACES = {"begin": 0, "absorb": 0}  # incremented at trace time: one trace per (cfg, batched)
 
 
-def append_trace(path: Path, rows: list[dict]) -> None:
+def append_trace(path: Path, rows: list[dict]) -> Path:
     """Append a call's per-request trace rows to the parquet file at `path`: an interrupted
-    call's rows stay, and the resumed call's (mostly `from_cache`) follow them."""
+    call's rows stay, and the resumed call's follow them (a replay's marked `from_cache`, so an
+    identical re-run adds a full set of cached rows: select `~from_cache` for what was sent).
+    Written to a temporary file and moved into place, so a crash mid-write keeps the old file.
+    When the old file cannot be read or its columns do not combine with the new rows, it is left
+    as it is and the rows go to a new file beside it (`live_trace.1.parquet`, ...), whose path
+    is returned (a warning names it)."""
     trace = pl.DataFrame(rows, infer_schema_length=None)
     if path.exists():
-        trace = pl.concat([pl.read_parquet(path), trace], how="diagonal_relaxed")
-    trace.write_parquet(path)
+        try:
+            trace = pl.concat([pl.read_parquet(path), trace], how="diagonal_relaxed")
+        except (OSError, pl.exceptions.PolarsError) as err:  # unreadable, or columns that do not combine
+            k = 1
+            while path.with_name(f"{path.stem}.{k}{path.suffix}").exists():
+                k += 1
+            side = path.with_name(f"{path.stem}.{k}{path.suffix}")
+            warnings.warn(f"{path} not appended to ({type(err).__name__}: {err}); this call's trace is in {side}",
+                          stacklevel=2)  # fmt: skip
+            path = side
+    partial = path.with_name(path.name + ".partial")
+    trace.write_parquet(partial)
+    os.replace(partial, path)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,13 +571,15 @@ def run_live_streams(
             for s, k in zip(*np.nonzero(records.finished_mask)):  # finished tasks leave the store
                 store.pop((int(s), int(records.finished.t[s, k])), None)
     finally:
-        if run_dir is not None and trace:
-            append_trace(run_dir / TRACE_FILE, trace)
-        if owned:
-            cache = live.client.cache
-            live.close()
-            if cache is not None:
-                cache.close()
+        try:
+            if run_dir is not None and trace:
+                append_trace(run_dir / TRACE_FILE, trace)
+        finally:
+            if owned:
+                cache = live.client.cache
+                live.close()
+                if cache is not None:
+                    cache.close()
 
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *rounds)  # (streams, rounds, S, ...)
     real_stacked = {key: np.stack([r[key] for r in real], axis=1) for key in real[0]}
