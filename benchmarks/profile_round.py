@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_throughput as B
@@ -69,27 +68,21 @@ def main() -> None:
 
     n = args.agents
     specs = B.make_specs(n, n > 6, args.streams)
-    cfg = engine.engine_config(specs, B.PROTOCOL, max(1, n // 6))
-    params = engine.make_params(B.PROTOCOL, specs[0].pair, specs[0].network.profile, cfg.n_agents)
-    k_max = max(s.network.neighbour_table.shape[1] for s in specs)
-    worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
+    cfg, params, worlds, batched = B.engine_inputs(specs, max(1, n // 6))
     carry = engine.initial_carries(cfg, worlds)
     for _ in range(args.skip):
-        carry, _ = engine.run_rounds(cfg, params, worlds, carry, args.rounds, False)
+        carry, _ = engine.run_rounds(cfg, params, worlds, carry, args.rounds, batched)
     jax.block_until_ready(carry)
 
     def chunk():
-        out = engine.run_rounds(cfg, params, worlds, carry, args.rounds, False)
+        out = engine.run_rounds(cfg, params, worlds, carry, args.rounds, batched)
         jax.block_until_ready(out)
         return out
 
     start = time.perf_counter()
     after, _ = chunk()
     seconds = time.perf_counter() - start
-    # tasks finished in the chunk = tasks started - growth of the tasks in flight
-    in_flight = lambda c: int(np.asarray(c.slots.phase != engine.IDLE).sum())
-    started = int((np.asarray(after.next_t) - np.asarray(carry.next_t)).sum())
-    finished = started - in_flight(after) + in_flight(carry)
+    finished = B.tasks_finished(cfg, after) - B.tasks_finished(cfg, carry)
 
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):

@@ -64,8 +64,8 @@ def make_specs(n_agents: int, sparse: bool, seeds: int, datasets=("bbh",)) -> li
     return out
 
 
-def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) -> dict:
-    """tasks/s of the compiled rounds over the first `prefix` tasks of every stream (all if None)."""
+def engine_inputs(specs, slots: int):
+    """(cfg, params, worlds, params batched) of the JAX engine for these streams."""
     cfg = engine.engine_config(specs, PROTOCOL, slots)
     batched = engine.params_per_stream(specs)
     if batched:
@@ -74,11 +74,19 @@ def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) ->
         params = engine.make_params(PROTOCOL, specs[0].pair, specs[0].network.profile, cfg.n_agents)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)
     worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
-    limit = prefix or cfg.n_tasks
+    return cfg, params, worlds, batched
 
-    def finished(carry) -> int:
-        active = np.asarray((carry.slots.phase != engine.IDLE).sum(axis=-1))
-        return int((np.minimum(np.asarray(carry.next_t) - 1, cfg.n_tasks) - active).sum())
+
+def tasks_finished(cfg, carry) -> int:
+    """Tasks finished so far, summed over the carry's streams (entered and no longer in a slot)."""
+    active = np.asarray((carry.slots.phase != engine.IDLE).sum(axis=-1))
+    return int((np.minimum(np.asarray(carry.next_t) - 1, cfg.n_tasks) - active).sum())
+
+
+def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) -> dict:
+    """tasks/s of the compiled rounds over the first `prefix` tasks of every stream (all if None)."""
+    cfg, params, worlds, batched = engine_inputs(specs, slots)
+    limit = prefix or cfg.n_tasks
 
     def once() -> tuple[float, int]:
         carry = engine.initial_carries(cfg, worlds)
@@ -89,7 +97,7 @@ def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) ->
             jax.block_until_ready((carry, records))
             if engine.done(cfg, carry).all() or np.asarray(carry.next_t).min() > limit:
                 break
-        return time.perf_counter() - start, finished(carry)
+        return time.perf_counter() - start, tasks_finished(cfg, carry)
 
     start = time.perf_counter()
     once()  # compile + warm-up, dropped

@@ -1,6 +1,7 @@
-"""Count the streams of a run folder whose network stopped answering: per phase and group
-(a sweep's grid point, else method; phase as numbered in the tasks table), the streams that answered fewer than `--answered` of their
-tasks (unreachable abilities after false isolations) and those below `--accuracy`.
+"""Count the streams of a run folder whose network stopped answering: per phase (as numbered in
+the tasks table) and group (a sweep's grid point, else method and pair), the streams that answered
+fewer than `--answered` of their tasks (unreachable abilities after false isolations) and those
+below `--accuracy`.
 
     python scripts/stream_collapses.py runs/sweep-...        # a sweep, a main or a recovery run
 """
@@ -16,8 +17,8 @@ from meshheal_jax.metrics import LABELS
 
 
 def collapses(tasks: pl.DataFrame, answered: float, accuracy: float) -> pl.DataFrame:
-    swept = [c for c in tasks.columns if c == "grid_point"]
-    group = swept or [c for c in ("method", "pair") if c in tasks.columns]
+    swept = "grid_point" in tasks.columns
+    group = ["grid_point"] if swept else [c for c in ("method", "pair") if c in tasks.columns]
     params = tasks.columns[tasks.columns.index("grid_point") + 1 :] if swept else []  # swept values
     stream = [c for c in LABELS if c in tasks.columns]  # a stream: method, dataset, pair, seed
     per_stream = tasks.group_by(list(dict.fromkeys([*group, *params, *stream, "phase"]))).agg(

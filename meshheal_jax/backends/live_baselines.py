@@ -48,12 +48,11 @@ from meshheal_jax import metrics, prompts, scoring
 from meshheal_jax.backends.live import CallRequest, CallResponse, SyncLiveClient, request_seed, trace_rows
 from meshheal_jax.backends.live_loop import (
     CACHE_FILE,
-    TRACE_FILE,
     LiveConfig,
     LiveOptions,
+    _finish,
     _open_client,
     _records_for,
-    append_trace,
 )
 from meshheal_jax.baselines import common as C
 from meshheal_jax.data import Record, pick_questions, question_pool
@@ -414,15 +413,7 @@ def live_baseline_tables(
     try:
         tables = R.run_baseline_streams(method, specs, pair, params, live=host)
     finally:
-        try:
-            if run_dir is not None and host.trace:  # appended: a resumed run keeps the earlier rows
-                append_trace(run_dir / TRACE_FILE, host.trace)
-        finally:
-            if owned:
-                cache = live.client.cache
-                live.close()
-                if cache is not None:
-                    cache.close()
+        _finish(run_dir, host.trace, live, owned)  # appended: a resumed run keeps the earlier rows
     return tables
 
 

@@ -503,6 +503,20 @@ def _open_client(client, run_dir: Path | None) -> tuple[SyncLiveClient, bool]:
         raise
 
 
+def _finish(run_dir: Path | None, trace: list[dict], live: SyncLiveClient, owned: bool) -> None:
+    """End of a live call, however it ends: append its trace rows (`append_trace`), then close
+    the client and its response cache if the call opened them (`_open_client`)."""
+    try:
+        if run_dir is not None and trace:
+            append_trace(run_dir / TRACE_FILE, trace)
+    finally:
+        if owned:
+            cache = live.client.cache
+            live.close()
+            if cache is not None:
+                cache.close()
+
+
 def run_live_streams(
     specs: list[engine.StreamSpec],
     protocol: ProtocolParams,
@@ -571,15 +585,7 @@ def run_live_streams(
             for s, k in zip(*np.nonzero(records.finished_mask)):  # finished tasks leave the store
                 store.pop((int(s), int(records.finished.t[s, k])), None)
     finally:
-        try:
-            if run_dir is not None and trace:
-                append_trace(run_dir / TRACE_FILE, trace)
-        finally:
-            if owned:
-                cache = live.client.cache
-                live.close()
-                if cache is not None:
-                    cache.close()
+        _finish(run_dir, trace, live, owned)
 
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *rounds)  # (streams, rounds, S, ...)
     real_stacked = {key: np.stack([r[key] for r in real], axis=1) for key in real[0]}
