@@ -93,14 +93,12 @@ def per_seed_contexts(results: runner.Results, exp: runner.Experiment, pair: str
     schedule = exp.schedule()
     _, phase_names = exp.phases()
     out = []
+
+    def pick(df: pl.DataFrame, seed: int, dataset: str) -> pl.DataFrame:
+        return df.filter((pl.col("seed") == seed) & (pl.col("pair") == pair) & (pl.col("dataset") == dataset))
+
     for seed in exp.seeds:
-
-        def pick(df: pl.DataFrame, dataset: str) -> pl.DataFrame:
-            return df.filter(
-                (pl.col("seed") == seed) & (pl.col("pair") == pair) & (pl.col("dataset") == dataset)
-            )
-
-        frames = {d: {name: pick(getattr(results, name), d) for name in ("tasks", "reviews", "states")}
+        frames = {d: {name: pick(getattr(results, name), seed, d) for name in ("tasks", "reviews", "states")}
                   for d in exp.datasets}  # fmt: skip
         out.append(seed_context(frames, schedule, phase_names))
     return out

@@ -35,7 +35,7 @@ class CommonFlags:
     """folder of ability profile TOML files (default: the packaged ones)"""
     params_dir: Path | None = None
     """folder of emulator model parameter files (default: the packaged ones)"""
-    protocol: ProtocolParams = ProtocolParams()
+    protocol: ProtocolParams = ProtocolParams()  # noqa: RUF009 (frozen: a shared default is safe)
     quiet: bool = False
     """no progress bar"""
     backend: Literal["emulated", "live"] = "emulated"

@@ -24,10 +24,10 @@ import polars as pl
 
 from meshheal_jax import draws as D
 from meshheal_jax.config import ProtocolParams
+from meshheal_jax.device import on_device, stack
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import SCHEMAS
-from meshheal_jax.device import on_device, stack  # noqa: F401 (engine.stack is part of its API)
 from meshheal_jax.params import ANCHORS, CALL_KINDS, JUDGED_RIGHT_ON_WRONG_DRAFT, Pair, threshold_table
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network

@@ -130,7 +130,7 @@ class Experiment:
     graph_seed: int = 0
     edges_file: Path | None = None
     tables: tuple[str, ...] = ("tasks", "reviews", "states", "calls")  # record tables kept
-    protocol: ProtocolParams = ProtocolParams()
+    protocol: ProtocolParams = ProtocolParams()  # noqa: RUF009 (frozen: a shared default is safe)
     profiles_dir: Path | None = None
     params_dir: Path | None = None
 

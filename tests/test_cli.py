@@ -26,7 +26,7 @@ def cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-m", f"meshheal_jax.{module}", *args],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+        check=False, capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
     )  # fmt: skip
 
 

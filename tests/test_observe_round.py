@@ -23,7 +23,7 @@ from meshheal_jax.config import ProtocolParams
 SLOTS = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mid_run(detector: str):
     """(params, world, net) after 2,000 rounds of a 96-agent sparse stream: past the midpoint, so degraded
     agents are flagged under every detector (before it, the absolute one may flag nobody)."""

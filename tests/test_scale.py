@@ -68,7 +68,7 @@ def cli_subprocess(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-m", "meshheal_jax.scale", *args],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+        check=False, capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
     )  # fmt: skip
 
 

@@ -51,7 +51,7 @@ def test_sharded_streams_equal_the_unsharded_run():
     flags = os.environ.get("XLA_FLAGS", "")
     env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4".strip()}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=1200
+        [sys.executable, "-c", SCRIPT], check=False, capture_output=True, text=True, env=env, timeout=1200
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "SHARDED_EQUAL" in done.stdout
