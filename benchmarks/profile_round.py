@@ -4,8 +4,11 @@ and how many rounds a task takes.
 
 The network is the scale experiment's (replicated bbh profile, sparse graph, slots N/6); the
 profiled chunk starts after `--skip` chunks, so it is past the detector's warm-up. The chunk is
-timed once without the profiler (the per-round figure) and once under it (the op table; the
-profiler roughly doubles the time, so read the table's shares, not its milliseconds).
+timed once without the profiler (the per-round figure) and once under it (the op tables; the
+profiler roughly doubles the time, so read the tables' shares, not their milliseconds). The first
+table groups ops by executions per round (a loop body's ops run equally often), the second lists
+the largest. The profiler inflates ops that run many times per round: a share held by a loop of
+tiny ops is an upper bound, to be checked by an A/B without the profiler.
 
     python benchmarks/profile_round.py                         # 576 agents, 1 stream, 64 rounds
     python benchmarks/profile_round.py --agents 6 --streams 64 --top 25
@@ -101,6 +104,16 @@ def main() -> None:
     print(f"\nunder the profiler: ops {sum(ops.values()) / 1e3:.1f} ms + thunk dispatch "
           f"{dispatch / 1e3:.1f} ms ({100 * dispatch / total:.0f}%), "
           f"{sum(count[k] for k in ops) / args.rounds:.0f} op executions per round")  # fmt: skip
+    # ops run equally often belong together (a loop body runs once per iteration): their share by
+    # executions per round shows which loop holds the time
+    by_rate = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in ops.items():
+        group = by_rate[round(count[name] / args.rounds, 1)]
+        group[0] += us
+        group[1] += 1
+    print("\n| executions per round | ops | share |\n|---|---|---|")
+    for rate, (us, n_ops) in sorted(by_rate.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"| {rate} | {n_ops} | {100 * us / total:.1f}% |")
     print("\n| op | share | executions per round | µs per execution |\n|---|---|---|---|")
     for name, us in sorted(ops.items(), key=lambda kv: -kv[1])[: args.top]:
         print(
