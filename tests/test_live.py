@@ -75,6 +75,7 @@ class Reply:
     headers: dict = dataclasses.field(default_factory=dict)
     delay_s: float = 0.0
     honour_n: bool = True  # False: one choice whatever n says (as some servers do)
+    raw: bytes | None = None  # sent as is (text/html) instead of a chat completion
 
 
 def default_script(body: dict, index: int) -> Reply:
@@ -104,6 +105,7 @@ class ScriptedServer:
         self.api_key = api_key
         self.delay_s, self.die_after = delay_s, die_after
         self.chats: list[dict] = []
+        self.wire: list[tuple[dict, bytes]] = []  # every chat request as received: (headers, body)
         self.in_flight = 0
         self.max_in_flight = 0
         self.dead = False
@@ -148,12 +150,16 @@ class ScriptedServer:
                 if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
                     status, extra, payload = 401, {}, {"error": {"message": "invalid API key"}}
                 else:
+                    if method == "POST" and path == "/v1/chat/completions":
+                        self.wire.append((headers, body))
                     status, extra, payload = await self._route(method, path, body)
                 if self.dead:
                     break
-                data = json.dumps(payload).encode()
+                raw = isinstance(payload, bytes)
+                data = payload if raw else json.dumps(payload).encode()
                 head_out = f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\n"
-                head_out += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                head_out += f"Content-Type: {'text/html' if raw else 'application/json'}\r\n"
+                head_out += f"Content-Length: {len(data)}\r\n"
                 head_out += "".join(f"{k}: {v}\r\n" for k, v in extra.items()) + "\r\n"
                 writer.write(head_out.encode() + data)
                 await writer.drain()
@@ -163,7 +169,7 @@ class ScriptedServer:
             self._writers.discard(writer)
             writer.close()
 
-    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict, dict]:
+    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict, dict | bytes]:
         if method == "GET" and path == "/v1/models":
             data = [
                 {"id": name, "object": "model", "owned_by": "stand-in", "root": self.root}
@@ -193,6 +199,8 @@ class ScriptedServer:
                 reply.headers,
                 {"error": {"message": f"scripted {reply.status}", "code": reply.status}},
             )
+        if reply.raw is not None:
+            return 200, {}, reply.raw
         if request["model"] not in self.served:
             return 404, {}, {"error": {"message": f"model {request['model']} does not exist"}}
         n = int(request.get("n") or 1)
@@ -597,6 +605,42 @@ def test_secrets_never_reach_the_cache(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------------------
 # Start-up checks
+
+
+def test_requests_on_the_wire_equal_the_sdks_typed_call():
+    """The client posts its own JSON body (`AsyncOpenAI.post`); the bytes and the auth header on the
+    wire are those of `chat.completions.create` with the same typed arguments."""
+    import openai
+
+    async def scenario():
+        async with ScriptedServer(api_key="sk-wire-test") as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY, api_key="sk-wire-test") as client:
+                await client.run_batch([review_request(1), gen_request(2)])
+            sent = [json.loads(body) for _, body in server.wire]
+            assert [b.get("reasoning_effort") for b in sent] == ["medium", "medium"]  # a gpt-oss root
+            assert sent[0]["n"] == 3 and sent[0]["response_format"]["type"] == "json_schema"
+            typed = openai.AsyncOpenAI(base_url=server.base_url, api_key="sk-wire-test", max_retries=0)
+            for body in sent:
+                await typed.chat.completions.create(**body)
+            await typed.close()
+            (h1, b1), (h2, b2), (h3, b3), (h4, b4) = server.wire
+            assert (b1, b2) == (b3, b4)
+            assert h1["authorization"] == h3["authorization"] == "Bearer sk-wire-test"
+            assert h1["content-type"] == h3["content-type"] == "application/json"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("raw", [b"<html>502 from a proxy</html>", b'{"error": "overloaded"}'])
+def test_a_reply_that_is_not_a_chat_completion_is_named(raw):
+    async def scenario():
+        async with ScriptedServer(script=lambda body, i: Reply(raw=raw)) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                with pytest.raises(RequestRejectedError, match=r"strong server at .* answered a generate call "
+                                   r"\(stream 0, t 1, call 0\) with something that is not a chat completion"):  # fmt: skip
+                    await client.run_batch([gen_request(1)])
+
+    run(scenario())
 
 
 def test_unreachable_server_is_named():

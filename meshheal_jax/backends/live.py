@@ -86,6 +86,10 @@ class RequestRejectedError(LiveBackendError):
     """A server refused a request outright (a 4xx other than 429): retrying cannot help."""
 
 
+class MalformedReplyError(RequestRejectedError):
+    """A server answered 200 with something that is not a chat completion (not JSON, no choices)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # The boundary
 
@@ -266,6 +270,17 @@ def _import_openai():
     return openai
 
 
+def _post_options(openai_module: Any) -> dict:
+    """Request options under which the SDK's `post` authenticates as `chat.completions.create`
+    does: the bearer API key only. (SDKs with per-request security options default `post` to
+    also sending an admin key when one is configured; older SDKs have no such option.)"""
+    try:
+        fields = importlib.import_module(f"{openai_module.__name__}._types").RequestOptions.__annotations__
+    except (ImportError, AttributeError):
+        return {}
+    return {"security": {"bearer_auth": True}} if "security" in fields else {}
+
+
 def _http_library(client_or_class: Any):
     """The HTTP library (httpx, or httpx2 for openai >= 3) a client class belongs to."""
     cls = client_or_class if isinstance(client_or_class, type) else type(client_or_class)
@@ -427,6 +442,7 @@ class LiveClient:
         self.stats = LiveStats()
         self._jitter = random.Random()
         self._openai = None
+        self._post_options: dict = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -438,6 +454,7 @@ class LiveClient:
         if self._servers:
             return
         self._openai = _import_openai()
+        self._post_options = _post_options(self._openai)
         try:
             for role, group in self.groups.items():
                 servers = []
@@ -689,18 +706,17 @@ class LiveClient:
     async def _post(self, request: CallRequest, params: Mapping[str, Any]) -> tuple[dict, int]:
         openai = self._openai
         group = self.groups[request.role]
-        # Every parameter but the served name is plain JSON already: they go in `extra_body`, which
-        # the SDK merges into the body as is, instead of as typed arguments through its per-request
-        # transform (a type-directed walk of every message and of the review schema: about 1.3 ms
-        # of CPU per call, a third of the client's; benchmarks/README.md, section b). `messages=[]`
-        # only satisfies the SDK's check of required arguments; `plain` is in the SDK's own key
-        # order, so the body on the wire is byte for byte the one the typed arguments give.
-        plain: dict[str, Any] = {"messages": list(request.messages)}
+        # The body goes out as plain JSON through the SDK's `post` (its documented way to call a
+        # route with a body of one's own), and the reply comes back as the server's JSON
+        # (`cast_to=object`): the same HTTP request as `chat.completions.create` with these typed
+        # arguments, same keys in the same order, headers and auth (tests/test_live.py), without
+        # the SDK's two per-call walks: the type-directed transform of the arguments (every
+        # message, the review schema) and the `ChatCompletion` model built from the reply, about
+        # 0.5 ms of CPU per call between them (benchmarks/README.md, section b).
+        body: dict[str, Any] = {"model": group.served_name, "messages": list(request.messages)}
         for key in (*_SDK_BODY_ORDER, *params):
-            if key not in plain and key != "reasoning_effort" and params.get(key) is not None:
-                plain[key] = params[key]
-        if params.get("reasoning_effort"):  # last, as it always went (in `extra_body`)
-            plain["reasoning_effort"] = params["reasoning_effort"]
+            if key not in body and params.get(key) is not None:
+                body[key] = params[key]
         last_error = ""
         tried: list[str] = []
         for attempt in range(self.retry.max_retries + 1):
@@ -713,8 +729,8 @@ class LiveClient:
                 self.stats.http_requests += 1
                 started = time.monotonic()
                 try:
-                    completion = await server.next_client().chat.completions.create(
-                        model=group.served_name, messages=[], extra_body=plain
+                    reply = await server.next_client().post(
+                        "/chat/completions", cast_to=object, body=body, options=self._post_options
                     )
                 except openai.RateLimitError as err:
                     retry_after = _retry_after_s(err.response)
@@ -730,7 +746,14 @@ class LiveClient:
                 except openai.APIConnectionError as err:
                     last_error = f"{type(err).__name__}: {_short(err)}"
                 else:
-                    return _payload(completion, time.monotonic() - started), attempt
+                    payload = _payload(reply, time.monotonic() - started)
+                    if payload is None:
+                        raise MalformedReplyError(
+                            f"live backend: the {request.role} server at {server.stats.base_url} answered a "
+                            f"{request.kind} call (stream {request.stream}, t {request.t}, call {request.call_id}) "
+                            f"with something that is not a chat completion: {_short(repr(reply), 200)}"
+                        )
+                    return payload, attempt
                 finally:
                     server.stats.in_flight -= 1
             if server.stats.base_url not in tried:
@@ -746,11 +769,11 @@ class LiveClient:
 
 
 _MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
-# the order in which the SDK's `chat.completions.create` lays out these body fields (after model, messages)
-_SDK_BODY_ORDER = ("max_completion_tokens", "n", "response_format", "seed", "temperature", "top_p")
+# the order in which the SDK's `chat.completions.create` lays out these fields (after model, messages)
+_SDK_BODY_ORDER = ("max_completion_tokens", "n", "reasoning_effort", "response_format", "seed", "temperature", "top_p")
 
 
-def _short(err: BaseException, limit: int = 300) -> str:
+def _short(err: object, limit: int = 300) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -760,28 +783,46 @@ def _usage(payload: Mapping[str, Any], field: str) -> int:
     return int(usage.get(field) or 0)
 
 
-def _payload(completion: Any, latency_s: float) -> dict:
-    """The part of a chat completion kept (and cached): texts, finish reasons, usage, latency."""
-    choices = sorted(completion.choices or [], key=lambda choice: choice.index or 0)
-    usage = completion.usage
-    cached = 0
-    if usage is not None:
-        details = getattr(usage, "prompt_tokens_details", None)
-        cached = int(getattr(details, "cached_tokens", 0) or 0) if details is not None else 0
+def _payload(reply: Any, latency_s: float) -> dict | None:
+    """The part of a chat completion's JSON kept (and cached): texts, finish reasons, usage,
+    latency; None when `reply` is not a chat completion (not an object with a list of choices).
+    Missing or null fields read as empty (content ""), as the SDK's models read them."""
+    if not isinstance(reply, Mapping) or not isinstance(reply.get("choices"), list):
+        return None
+    choices = [c for c in reply["choices"] if isinstance(c, Mapping)]
+    choices.sort(key=lambda choice: _int(choice.get("index")))
+    usage = reply.get("usage")
+    usage = usage if isinstance(usage, Mapping) else None
+    details = usage.get("prompt_tokens_details") if usage is not None else None
+    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+
+    def content(choice: Mapping) -> str:
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, Mapping) else None
+        return text if isinstance(text, str) else ""
+
     return {
         "choices": [
-            {"content": choice.message.content or "", "finish_reason": choice.finish_reason or ""}
+            {"content": content(choice), "finish_reason": str(choice.get("finish_reason") or "")}
             for choice in choices
         ],
         "usage": None
         if usage is None
         else {
-            "prompt_tokens": int(usage.prompt_tokens or 0),
-            "completion_tokens": int(usage.completion_tokens or 0),
+            "prompt_tokens": _int(usage.get("prompt_tokens")),
+            "completion_tokens": _int(usage.get("completion_tokens")),
             "cached_tokens": cached,
         },
         "latency_s": latency_s,
     }
+
+
+def _int(value: Any) -> int:
+    """A token count or index as the server sent it; 0 when missing or not a number."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _parse(parser: ReplyParser, text: str, finish_reason: str) -> tuple[bool, Any]:
