@@ -349,12 +349,6 @@ def across_streams(flag):
     return _over_streams(jax.lax.psum, flag.astype(jnp.int32)) > 0
 
 
-def latest_across_streams(x):
-    """max of x over the stream batch: an unbatched loop bound (a batched while_loop predicate
-    would select every carried array, the whole network, on every iteration)."""
-    return _over_streams(jax.lax.pmax, x)
-
-
 def neighbours_of(world: World, i):
     """(K,) agent ids of i's neighbours (-1 padding), (K,) valid mask, (K,) ids safe to gather."""
     nb = world.nbr[i]
@@ -653,30 +647,24 @@ def first_wave(world: World, order, authors, evidence, detector: str = "relative
 
 def first_wave_width(n_slots: int) -> int:
     """Rows the first wave computes at once: every slot in small rounds, a third of them in large
-    ones (the rest, rare, go one by one)."""
+    ones (writers beyond wait for a later wave)."""
     return n_slots if n_slots <= 16 else max(16, n_slots // 3)
 
 
-def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
-                  detector: str = "relative", width: int | None = None) -> tuple[Net, Observation]:  # fmt: skip
-    """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
-    of taking them one by one in `order` (task order). The first wave (`first_wave`: observations
-    that conflict with no earlier one, most of a round's; at most `width`, default
-    `first_wave_width`) is read together and written in one scatter; the rest then go one by one
-    in task order. Exact for every observation with evidence (the only ones recorded): a
-    later-wave observation never conflicts with a first-wave one that follows it in task order (it
-    would not be first-wave otherwise). Observations without evidence write nothing and are left
-    as given."""
+def later_wave_width(n_slots: int) -> int:
+    """Rows each later wave computes at once: a round's later waves hold few observations (about
+    6 of 96 slots' at 576 agents, 82 of 1,536 at 9,216), so a narrower program than the first."""
+    return max(1, min(n_slots, max(4, n_slots // 16)))
+
+
+def _wave(p: Params, world: World, net: Net, evidence, order, observations: Observation, pending, detector: str,
+          width: int) -> tuple[Net, Observation, jax.Array]:  # fmt: skip
+    """One wave: the pending observations that conflict with no earlier pending one in task order
+    (`first_wave`), at most `width` of them in slot order, read from `net` together and written in
+    one scatter. Returns the network, the observations with theirs filled in, and what is left."""
     n, n_slots = net.state.shape[0], order.shape[0]
-    active = evidence.valid
-    first = first_wave(world, order, evidence.author, active, detector)
-    # the first wave, at once: its first `width` writers in slot order, gathered (about a fifth of a
-    # busy round's slots have evidence; computing every slot's rows cost 3x more); writers beyond
-    # them join the later waves, which stays exact (none of them conflicts with the first wave)
-    width = first_wave_width(n_slots) if width is None else min(width, n_slots)
-    writers = first & active
-    picked = writers & (jnp.cumsum(writers) <= width)
-    first = picked | ~active
+    eligible = first_wave(world, order, evidence.author, pending, detector) & pending
+    picked = eligible & (jnp.cumsum(eligible) <= width)
     slot_of = jnp.nonzero(picked, size=width, fill_value=0)[0]  # (width,) slots; padding repeats slot 0
     used = jnp.arange(width) < picked.sum()
     ev = at(evidence, slot_of)
@@ -692,23 +680,33 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     net = write_rows(net, *index, rows)
     target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
     observations = jax.tree_util.tree_map(lambda o, new: o.at[target].set(new, mode="drop"), observations, obs)
-    # the later waves, one by one in task order
-    rest = order[jnp.argsort(first[order], stable=True)]  # later-wave slots first, in task order
-    n_rest = n_slots - first.sum()
+    return net, observations, pending & ~picked
 
-    def observe_one(m, state):
-        net, observations = state
-        k = rest[m]
-        ev = at(evidence, k)
-        todo = m < n_rest
-        net, obs = observe(
-            p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid & todo, detector
-        )
-        return net, jax.tree_util.tree_map(
-            lambda o, new: o.at[k].set(jnp.where(todo, new, o[k])), observations, obs
-        )
 
-    return jax.lax.fori_loop(0, latest_across_streams(n_rest), observe_one, (net, observations))
+def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
+                  detector: str = "relative", width: int | None = None,
+                  later_width: int | None = None) -> tuple[Net, Observation]:  # fmt: skip
+    """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
+    of taking them one by one in `order` (task order), in waves (`_wave`): each wave takes the
+    observations with evidence not yet taken that conflict with no earlier such one in task order
+    (at most `width` in the first wave, default `first_wave_width`, `later_width` in each later
+    one, default `later_wave_width`), reads them together and writes them in one scatter, until
+    none is left. Exact for every observation with evidence (the only ones recorded): conflict
+    is symmetric (an author's neighbour's author is its neighbour), so a wave's observation
+    conflicts with no observation still waiting that precedes it in task order, nor with another
+    of its wave, and everything it conflicts with that precedes it was taken in an earlier wave.
+    Each wave takes at least the earliest waiting observation. Observations without evidence
+    write nothing and are left as given."""
+    n_slots = order.shape[0]
+    width = first_wave_width(n_slots) if width is None else min(width, n_slots)
+    later_width = later_wave_width(n_slots) if later_width is None else min(later_width, n_slots)
+    state = _wave(p, world, net, evidence, order, observations, evidence.valid, detector, width)
+    net, observations, _ = jax.lax.while_loop(
+        lambda s: across_streams(s[2].any()),
+        lambda s: _wave(p, world, s[0], evidence, order, s[1], s[2], detector, later_width),
+        state,
+    )
+    return net, observations
 
 
 def refresh_distances(world: World, net: Net, moved) -> Net:

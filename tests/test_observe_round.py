@@ -1,5 +1,5 @@
-"""The round's detector updates (`engine.observe_round`: the first wave of non-conflicting
-observations at once, the rest one by one) equal the observations taken one by one in task order
+"""The round's detector updates (`engine.observe_round`: waves of non-conflicting observations,
+each read at once and written in one scatter) equal the observations taken one by one in task order
 (`engine.observe` in a loop), on a network taken from the middle of a real 96-agent sparse run, for
 random rounds with repeated authors, neighbours and slots without evidence; for every detector.
 Observations without evidence write nothing and are never recorded, so only the network and the
@@ -42,9 +42,9 @@ def mid_run(detector: str):
     return params, engine.at(worlds, 0), net
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7))
-def both(detector, p, world, net, evidence, order, observations, width):
-    fast = engine.observe_round(p, world, net, evidence, order, observations, detector, width)
+@functools.partial(jax.jit, static_argnums=(0, 7, 8))
+def both(detector, p, world, net, evidence, order, observations, width, later_width=None):
+    fast = engine.observe_round(p, world, net, evidence, order, observations, detector, width, later_width)
 
     def one(n, state):
         net_, obs_ = state
@@ -59,11 +59,12 @@ def both(detector, p, world, net, evidence, order, observations, width):
     return fast, slow
 
 
-@pytest.mark.parametrize("width", [SLOTS, 3])  # 3: first-wave writers beyond the third join the later waves
+# width 3: first-wave writers beyond the third wait; later width 1: the later waves one by one
+@pytest.mark.parametrize("width, later_width", [(SLOTS, None), (3, None), (3, 1)])
 @pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_observe_round_equals_one_by_one(detector, width, data):
+def test_observe_round_equals_one_by_one(detector, width, later_width, data):
     p, world, net = mid_run(detector)
     n_agents = int(net.state.shape[0])
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -88,7 +89,9 @@ def test_observe_round_equals_one_by_one(detector, width, data):
     zi = jnp.zeros(SLOTS, jnp.int32)
     observations = engine.Observation(z=jnp.zeros(SLOTS), z_defined=jnp.zeros(SLOTS, bool), before=zi, after=zi,
                                       reason=zi)  # fmt: skip
-    (net_fast, obs_fast), (net_slow, obs_slow) = both(detector, p, world, net, evidence, order, observations, width)
+    (net_fast, obs_fast), (net_slow, obs_slow) = both(
+        detector, p, world, net, evidence, order, observations, width, later_width
+    )
     kept = np.asarray(evidence.valid)
     for name, a, b, mask in [
         *zip(("net",) * 9, jax.tree_util.tree_leaves(net_fast), jax.tree_util.tree_leaves(net_slow), [None] * 9),
