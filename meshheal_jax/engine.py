@@ -695,11 +695,12 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     is symmetric (an author's neighbour's author is its neighbour), so a wave's observation
     conflicts with no observation still waiting that precedes it in task order, nor with another
     of its wave, and everything it conflicts with that precedes it was taken in an earlier wave.
-    Each wave takes at least the earliest waiting observation. Observations without evidence
+    Each wave takes at least one (the first eligible in slot order; the earliest waiting one in
+    task order is always eligible). Observations without evidence
     write nothing and are left as given."""
     n_slots = order.shape[0]
     width = first_wave_width(n_slots) if width is None else min(width, n_slots)
-    later_width = later_wave_width(n_slots) if later_width is None else min(later_width, n_slots)
+    later_width = later_wave_width(n_slots) if later_width is None else max(1, min(later_width, n_slots))
     state = _wave(p, world, net, evidence, order, observations, evidence.valid, detector, width)
     net, observations, _ = jax.lax.while_loop(
         lambda s: across_streams(s[2].any()),

@@ -75,7 +75,8 @@ class Reply:
     headers: dict = dataclasses.field(default_factory=dict)
     delay_s: float = 0.0
     honour_n: bool = True  # False: one choice whatever n says (as some servers do)
-    raw: bytes | None = None  # sent as is (text/html) instead of a chat completion
+    raw: bytes | None = None  # sent as is instead of a chat completion
+    content_type: str = "application/json"
 
 
 def default_script(body: dict, index: int) -> Reply:
@@ -155,10 +156,13 @@ class ScriptedServer:
                     status, extra, payload = await self._route(method, path, body)
                 if self.dead:
                     break
-                raw = isinstance(payload, bytes)
-                data = payload if raw else json.dumps(payload).encode()
+                content_type = "application/json"
+                if isinstance(payload, tuple):  # (raw bytes, content type)
+                    data, content_type = payload
+                else:
+                    data = json.dumps(payload).encode()
                 head_out = f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\n"
-                head_out += f"Content-Type: {'text/html' if raw else 'application/json'}\r\n"
+                head_out += f"Content-Type: {content_type}\r\n"
                 head_out += f"Content-Length: {len(data)}\r\n"
                 head_out += "".join(f"{k}: {v}\r\n" for k, v in extra.items()) + "\r\n"
                 writer.write(head_out.encode() + data)
@@ -169,7 +173,7 @@ class ScriptedServer:
             self._writers.discard(writer)
             writer.close()
 
-    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict, dict | bytes]:
+    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict, dict | tuple]:
         if method == "GET" and path == "/v1/models":
             data = [
                 {"id": name, "object": "model", "owned_by": "stand-in", "root": self.root}
@@ -200,7 +204,7 @@ class ScriptedServer:
                 {"error": {"message": f"scripted {reply.status}", "code": reply.status}},
             )
         if reply.raw is not None:
-            return 200, {}, reply.raw
+            return 200, {}, (reply.raw, reply.content_type)
         if request["model"] not in self.served:
             return 404, {}, {"error": {"message": f"model {request['model']} does not exist"}}
         n = int(request.get("n") or 1)
@@ -618,27 +622,57 @@ def test_requests_on_the_wire_equal_the_sdks_typed_call():
                 await client.run_batch([review_request(1), gen_request(2)])
             sent = [json.loads(body) for _, body in server.wire]
             assert [b.get("reasoning_effort") for b in sent] == ["medium", "medium"]  # a gpt-oss root
-            assert sent[0]["n"] == 3 and sent[0]["response_format"]["type"] == "json_schema"
+            review = next(b for b in sent if b.get("n") == 3)  # the two went out together, in any order
+            assert review["response_format"]["type"] == "json_schema"
             typed = openai.AsyncOpenAI(base_url=server.base_url, api_key="sk-wire-test", max_retries=0)
             for body in sent:
                 await typed.chat.completions.create(**body)
             await typed.close()
             (h1, b1), (h2, b2), (h3, b3), (h4, b4) = server.wire
             assert (b1, b2) == (b3, b4)
-            assert h1["authorization"] == h3["authorization"] == "Bearer sk-wire-test"
-            assert h1["content-type"] == h3["content-type"] == "application/json"
+            assert {h["authorization"] for h in (h1, h2, h3, h4)} == {"Bearer sk-wire-test"}
+            assert {h["content-type"] for h in (h1, h2, h3, h4)} == {"application/json"}
 
     run(scenario())
 
 
-@pytest.mark.parametrize("raw", [b"<html>502 from a proxy</html>", b'{"error": "overloaded"}'])
-def test_a_reply_that_is_not_a_chat_completion_is_named(raw):
+@pytest.mark.parametrize(
+    "raw, content_type",
+    [
+        (b"<html>502 from a proxy</html>", "text/html"),
+        (b'{"error": "overloaded"}', "application/json"),  # JSON, but no choices
+        (b'{"choices": [', "application/json"),  # labelled JSON, not JSON
+    ],
+)
+def test_a_reply_that_is_not_a_chat_completion_is_retried_then_named(raw, content_type):
     async def scenario():
-        async with ScriptedServer(script=lambda body, i: Reply(raw=raw)) as server:
+        def script(body, i):
+            return Reply(raw=raw, content_type=content_type) if i < 2 else Reply()
+
+        async with ScriptedServer(script=script) as server:  # twice garbage, then a good reply
             async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
-                with pytest.raises(RequestRejectedError, match=r"strong server at .* answered a generate call "
-                                   r"\(stream 0, t 1, call 0\) with something that is not a chat completion"):  # fmt: skip
-                    await client.run_batch([gen_request(1)])
+                responses = await client.run_batch([gen_request(1)])
+            assert responses[0].retries == 2 and responses[0].parsed[0].answer == "(A)"
+        garbage = ScriptedServer(script=lambda body, i: Reply(raw=raw, content_type=content_type))
+        async with garbage as server, LiveClient([strong(server)], retry=FAST_RETRY) as client:
+            with pytest.raises(ServerUnavailableError, match=r"failed 4 attempts of a generate call \(stream 0, "
+                               r"t 1\); last error: HTTP 200 with (something that is not a chat completion"
+                               r"|a body that is not valid JSON)"):  # fmt: skip
+                await client.run_batch([gen_request(1)])
+
+    run(scenario())
+
+
+def test_a_chat_completion_without_a_json_content_type_is_read():
+    body = {"id": "x", "object": "chat.completion", "created": 0, "model": "strong", "usage": {"prompt_tokens": 5},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "RESULT: (B)"}, "finish_reason": "stop"}]}  # fmt: skip
+
+    async def scenario():
+        raw = json.dumps(body).encode()
+        async with ScriptedServer(script=lambda b, i: Reply(raw=raw, content_type="text/plain")) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                (response,) = await client.run_batch([gen_request(1)])
+            assert response.parsed[0].answer == "(B)" and response.prompt_tokens == 5 and response.retries == 0
 
     run(scenario())
 

@@ -20,7 +20,7 @@ Behaviour, all of it tested against a scripted stand-in server (tests/test_live.
   cap concurrency). The SDK's aiohttp transport where `openai[aiohttp]` is installed, else its
   httpx one.
 - Retries with jittered exponential backoff on connection errors and timeouts, 429 (honouring
-  Retry-After) and 5xx only, at most `RetryPolicy.max_retries` times; any other status fails at
+  Retry-After), 5xx and 200 replies that are not chat completions only, at most `RetryPolicy.max_retries` times; any other status fails at
   once (`RequestRejectedError`). A server that stays down raises `ServerUnavailableError` once
   the whole round has settled, so every response that did arrive is already in the cache.
 - `n` > 1 (the three initial review samples) goes out as one request sharing the prefill; if a
@@ -45,6 +45,7 @@ import dataclasses
 import email.utils
 import hashlib
 import importlib
+import json
 import math
 import os
 import random
@@ -79,15 +80,12 @@ class LiveBackendError(MeshHealError):
 
 
 class ServerUnavailableError(LiveBackendError):
-    """A server stayed unreachable (or kept answering 429/5xx) through every retry."""
+    """A server stayed unreachable (or kept answering 429/5xx, or 200s that are not chat
+    completions) through every retry."""
 
 
 class RequestRejectedError(LiveBackendError):
     """A server refused a request outright (a 4xx other than 429): retrying cannot help."""
-
-
-class MalformedReplyError(RequestRejectedError):
-    """A server answered 200 with something that is not a chat completion (not JSON, no choices)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,7 +713,7 @@ class LiveClient:
         # 0.5 ms of CPU per call between them (benchmarks/README.md, section b).
         body: dict[str, Any] = {"model": group.served_name, "messages": list(request.messages)}
         for key in (*_SDK_BODY_ORDER, *params):
-            if key not in body and params.get(key) is not None:
+            if key not in body and params.get(key) not in (None, ""):
                 body[key] = params[key]
         last_error = ""
         tried: list[str] = []
@@ -732,6 +730,9 @@ class LiveClient:
                     reply = await server.next_client().post(
                         "/chat/completions", cast_to=object, body=body, options=self._post_options
                     )
+                    payload = _payload(reply, time.monotonic() - started)
+                except json.JSONDecodeError as err:  # a 200 body labelled JSON that is not
+                    last_error = f"HTTP 200 with a body that is not valid JSON ({err})"
                 except openai.RateLimitError as err:
                     retry_after = _retry_after_s(err.response)
                     last_error = "HTTP 429 (rate limited)"
@@ -746,14 +747,11 @@ class LiveClient:
                 except openai.APIConnectionError as err:
                     last_error = f"{type(err).__name__}: {_short(err)}"
                 else:
-                    payload = _payload(reply, time.monotonic() - started)
-                    if payload is None:
-                        raise MalformedReplyError(
-                            f"live backend: the {request.role} server at {server.stats.base_url} answered a "
-                            f"{request.kind} call (stream {request.stream}, t {request.t}, call {request.call_id}) "
-                            f"with something that is not a chat completion: {_short(repr(reply), 200)}"
-                        )
-                    return payload, attempt
+                    if payload is not None:
+                        return payload, attempt
+                    # a 200 that is not a chat completion (a proxy's page, a half-written body):
+                    # retried like a 5xx, on the next server of the role if there is one
+                    last_error = f"HTTP 200 with something that is not a chat completion: {_short(repr(reply), 200)}"
                 finally:
                     server.stats.in_flight -= 1
             if server.stats.base_url not in tried:
@@ -786,7 +784,13 @@ def _usage(payload: Mapping[str, Any], field: str) -> int:
 def _payload(reply: Any, latency_s: float) -> dict | None:
     """The part of a chat completion's JSON kept (and cached): texts, finish reasons, usage,
     latency; None when `reply` is not a chat completion (not an object with a list of choices).
-    Missing or null fields read as empty (content ""), as the SDK's models read them."""
+    Missing or null fields read as empty (content ""), as the SDK's models read them. A reply
+    without a JSON content type comes from the SDK as its text, read as JSON here."""
+    if isinstance(reply, str):
+        try:
+            reply = json.loads(reply)
+        except ValueError:
+            return None
     if not isinstance(reply, Mapping) or not isinstance(reply.get("choices"), list):
         return None
     choices = [c for c in reply["choices"] if isinstance(c, Mapping)]
@@ -821,7 +825,7 @@ def _int(value: Any) -> int:
     """A token count or index as the server sent it; 0 when missing or not a number."""
     try:
         return int(value or 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
 
 
