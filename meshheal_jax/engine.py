@@ -654,7 +654,7 @@ def first_wave_width(n_slots: int) -> int:
 def later_wave_width(n_slots: int) -> int:
     """Rows each later wave computes at once: a round's later waves hold few observations (about
     6 of 96 slots' at 576 agents, 82 of 1,536 at 9,216), so a narrower program than the first."""
-    return max(1, min(n_slots, max(4, n_slots // 16)))
+    return min(n_slots, max(4, n_slots // 16))
 
 
 def _wave(p: Params, world: World, net: Net, evidence, order, observations: Observation, pending, detector: str,
@@ -696,8 +696,8 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     conflicts with no observation still waiting that precedes it in task order, nor with another
     of its wave, and everything it conflicts with that precedes it was taken in an earlier wave.
     Each wave takes at least one (the first eligible in slot order; the earliest waiting one in
-    task order is always eligible). Observations without evidence
-    write nothing and are left as given."""
+    task order is always eligible). Observations without evidence write nothing and are left as
+    given."""
     n_slots = order.shape[0]
     width = first_wave_width(n_slots) if width is None else min(width, n_slots)
     later_width = later_wave_width(n_slots) if later_width is None else max(1, min(later_width, n_slots))

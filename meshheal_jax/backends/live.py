@@ -20,9 +20,10 @@ Behaviour, all of it tested against a scripted stand-in server (tests/test_live.
   cap concurrency). The SDK's aiohttp transport where `openai[aiohttp]` is installed, else its
   httpx one.
 - Retries with jittered exponential backoff on connection errors and timeouts, 429 (honouring
-  Retry-After), 5xx and 200 replies that are not chat completions only, at most `RetryPolicy.max_retries` times; any other status fails at
-  once (`RequestRejectedError`). A server that stays down raises `ServerUnavailableError` once
-  the whole round has settled, so every response that did arrive is already in the cache.
+  Retry-After), 5xx and 200 replies that are not chat completions only, at most
+  `RetryPolicy.max_retries` times; any other status fails at once (`RequestRejectedError`). A
+  server that stays down raises `ServerUnavailableError` once the whole round has settled, so
+  every response that did arrive is already in the cache.
 - `n` > 1 (the three initial review samples) goes out as one request sharing the prefill; if a
   server returns fewer choices, the missing samples i are sent as separate requests with seed
   seed + i (what vLLM gives sample i of an n-request). Tokens are counted as the paper counts:
@@ -751,7 +752,7 @@ class LiveClient:
                         return payload, attempt
                     # a 200 that is not a chat completion (a proxy's page, a half-written body):
                     # retried like a 5xx, on the next server of the role if there is one
-                    last_error = f"HTTP 200 with something that is not a chat completion: {_short(repr(reply), 200)}"
+                    last_error = "HTTP 200 with something that is not a chat completion: " + _short(repr(reply), 200)
                 finally:
                     server.stats.in_flight -= 1
             if server.stats.base_url not in tried:
@@ -768,7 +769,9 @@ class LiveClient:
 
 _MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
 # the order in which the SDK's `chat.completions.create` lays out these fields (after model, messages)
-_SDK_BODY_ORDER = ("max_completion_tokens", "n", "reasoning_effort", "response_format", "seed", "temperature", "top_p")
+_SDK_BODY_ORDER = (
+    "max_completion_tokens", "n", "reasoning_effort", "response_format", "seed", "temperature", "top_p"
+)
 
 
 def _short(err: object, limit: int = 300) -> str:
@@ -778,7 +781,7 @@ def _short(err: object, limit: int = 300) -> str:
 
 def _usage(payload: Mapping[str, Any], field: str) -> int:
     usage = payload.get("usage") or {}
-    return int(usage.get(field) or 0)
+    return _int(usage.get(field))
 
 
 def _payload(reply: Any, latency_s: float) -> dict | None:
@@ -799,15 +802,9 @@ def _payload(reply: Any, latency_s: float) -> dict | None:
     usage = usage if isinstance(usage, Mapping) else None
     details = usage.get("prompt_tokens_details") if usage is not None else None
     cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
-
-    def content(choice: Mapping) -> str:
-        message = choice.get("message")
-        text = message.get("content") if isinstance(message, Mapping) else None
-        return text if isinstance(text, str) else ""
-
     return {
         "choices": [
-            {"content": content(choice), "finish_reason": str(choice.get("finish_reason") or "")}
+            {"content": _content(choice), "finish_reason": str(choice.get("finish_reason") or "")}
             for choice in choices
         ],
         "usage": None
@@ -819,6 +816,13 @@ def _payload(reply: Any, latency_s: float) -> dict | None:
         },
         "latency_s": latency_s,
     }
+
+
+def _content(choice: Mapping[str, Any]) -> str:
+    """A choice's message text; "" when missing, null or not text."""
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, Mapping) else None
+    return text if isinstance(text, str) else ""
 
 
 def _int(value: Any) -> int:
