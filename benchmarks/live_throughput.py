@@ -17,7 +17,8 @@ Two kinds of server:
 Sections (each prints a markdown table):
   a  requests/s and achieved in-flight requests against the client's semaphore (stand-in)
   b  host overhead at 256 in flight: wall time not explained by the stand-in's latency, and host
-     CPU time per call; LiveClient with and without the response cache, and the bare openai SDK
+     CPU time per call; LiveClient with and without the response cache, and the bare openai SDK;
+     then its floor: the SDK's `post` alone on an in-process transport (no socket, no server)
   c  the batched live runner (`run_live_streams`, 96 agents, 300 tasks, slots 16) against the
      stand-in at the ratio latency, vs a sequential client (calls x latency, computed, not run)
   d  one `n=3` request vs three requests (wall, HTTP calls, tokens): stand-in and tiny server
@@ -83,6 +84,7 @@ COLUMNS = {  # the tables' columns, in print order
     "b": ["client", "requests", "server_received", "wall_s", "ideal_s", "host_overhead", "cpu_s",
           "cpu_ms_per_call", "cpu_share_of_wall", "client_max_in_flight", "server_max_in_flight",
           "server_mean_in_flight"],
+    "b_floor": ["client", "requests", "cpu_s", "cpu_ms_per_call"],
     "c": ["streams", "agents", "slots", "tasks", "rounds", "requests", "http_calls", "requests_per_round",
           "wall_s", "first_round_compile_s", "wall_excl_compile_s", "in_run_batch_s",
           "host_outside_batches_s", "ideal_batched_s", "sequential_s", "ratio", "ratio_excl_compile",
@@ -512,6 +514,47 @@ def section_b(
         finally:
             await client.close()
 
+    async def sdk_floor(count: int = 2048) -> list[dict]:
+        """CPU per call of the SDK's `post` (the call LiveClient makes, same bodies) on an in-process
+        transport: the HTTP library's MockTransport answers a canned chat completion at once, so
+        there is no socket, no server and no waiting, only the client's own work. Then the HTTP
+        library's `post` alone on the same transport. What any client built on AsyncOpenAI pays
+        per call before the network; compare it with the per-call CPU that < 5% allows (above)."""
+        import openai
+
+        from meshheal_jax.backends.live import _http_library
+
+        lib = _http_library(openai.DefaultAsyncHttpxClient)
+        reply = json.dumps({"id": "floor", "object": "chat.completion", "created": 0, "model": "strong",
+                            "choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": "RESULT: 42"}}],
+                            "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}}).encode()  # fmt: skip
+        http = lib.AsyncClient(transport=lib.MockTransport(
+            lambda _: lib.Response(200, content=reply, headers={"content-type": "application/json"})))  # fmt: skip
+        client = openai.AsyncOpenAI(base_url="http://stand-in.invalid/v1", api_key="EMPTY", http_client=http,
+                                    max_retries=0)  # fmt: skip
+        bodies = [{"model": "strong", "messages": list(r.messages), "max_completion_tokens": r.max_completion_tokens,
+                   "n": r.n, **({"response_format": dict(r.response_format)} if r.response_format else {}),
+                   "seed": r.seed} for r in bench_requests(count, seed_base=60_000)]  # fmt: skip
+        out = []
+        try:
+            for name, call in (
+                ("openai SDK `post` alone, in-process transport (CPU floor, no socket)",
+                 lambda body: client.post("/chat/completions", cast_to=object, body=body)),
+                ("its HTTP library's `post` alone, same transport",
+                 lambda body: http.post("http://stand-in.invalid/v1/chat/completions", json=body)),
+            ):  # fmt: skip
+                for body in bodies[:256]:  # warm-up, dropped
+                    await call(body)
+                cpu0 = time.process_time()
+                for body in bodies:
+                    await call(body)
+                cpu = time.process_time() - cpu0
+                out.append({"client": name, "requests": count, "cpu_s": cpu, "cpu_ms_per_call": 1e3 * cpu / count})
+        finally:
+            await client.close()
+        return out
+
     with tempfile.TemporaryDirectory(prefix="live-throughput-") as tmp:
         variants = [
             ("LiveClient, no cache", lambda: live_client(None)),
@@ -533,11 +576,14 @@ def section_b(
                 "client_max_in_flight": run["client_max_in_flight"],
                 "server_max_in_flight": server["max_in_flight"], "server_mean_in_flight": server["mean_in_flight"],
             })  # fmt: skip
+    floor = {"title": "b (floor): the openai SDK's own CPU per call, no socket and no server",
+             "columns": COLUMNS["b_floor"], "rows": asyncio.run(sdk_floor())}
     return {
         "title": f"b: host overhead at {in_flight} in flight (stand-in, latency {latency:g} s, {b} requests = "
         f"{waves} waves, median of {repeats})",
         "columns": COLUMNS["b"],
         "rows": rows,
+        "floor": floor,
     }
 
 
@@ -976,6 +1022,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 stand_in, latency, args.in_flight, waves=2 if quick else 4, repeats=repeats
             )
             print_table(tables["b"])
+            print_table(tables["b"]["floor"])
         if "c" in sections:
             tables["c"] = section_c(stand_in, ratio_latency, agents, tasks, 256, streams)
             print_table(tables["c"])

@@ -101,8 +101,10 @@ def main() -> None:
     print(f"round: {1e3 * seconds / args.rounds:.3f} ms without the profiler; {finished} tasks finished in "
           f"the chunk: {finished / args.rounds:.2f} tasks per round, {slots * args.rounds / max(finished, 1):.1f} "
           f"slot-rounds per task")  # fmt: skip
-    # the draws alone: every task's ~460 uniforms, as a window refill makes them, timed apart on
-    # 8,192 tasks (a cost per task, the same at every size; a small window's call would time dispatch)
+    # the draws made ahead, timed apart: a task's entry, infer and route uniforms and its calls key
+    # (58 uniforms; decisions D4), as a window refill makes them, on 8,192 tasks (a cost per task,
+    # the same at every size; a small window's call would time dispatch). The call rows a round
+    # reads are drawn inside the round (`draws.call_rows`) and counted in its ops.
     world = engine.at(worlds, 0)
     width = 8192
     refill = jax.jit(lambda first: engine.draw_window(world, first, width))
@@ -113,8 +115,8 @@ def main() -> None:
         jax.block_until_ready(refill(1 + k * width))
         times.append(time.perf_counter() - start)
     per_task = min(times) / width
-    print(f"draws: {1e6 * per_task:.2f} µs per task (best of 5), ~{100 * per_task * finished / seconds:.0f}% of the "
-          f"chunk's time (each task's draws made once; a window refill also redraws its last slots' worth)")  # fmt: skip
+    print(f"draws made ahead: {1e6 * per_task:.2f} µs per task (best of 5), ~{100 * per_task * finished / seconds:.0f}% "
+          f"of the chunk's time (a window refill also redraws its last slots' worth)")  # fmt: skip
     print(f"\nunder the profiler: ops {sum(ops.values()) / 1e3:.1f} ms + thunk dispatch "
           f"{dispatch / 1e3:.1f} ms ({100 * dispatch / total:.0f}%), "
           f"{sum(count[k] for k in ops) / args.rounds:.0f} op executions per round")  # fmt: skip

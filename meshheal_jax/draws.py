@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.extend.random import threefry2x32_p
 
 jax.config.update("jax_enable_x64", True)
 
@@ -83,6 +85,67 @@ def task_draws(seed, dataset_id, t) -> TaskDraws:
         route=uniform(_FIELD_ROUTE, (N_VISITS, N_ROUTE)),
         calls=uniform(_FIELD_CALLS, (N_VISITS, N_CALL_SLOTS, N_CALL_U)),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# The same uniforms, drawn when read (the JAX engine)
+# ----------------------------------------------------------------------------------------------
+# A task's `calls` block is 396 uniforms, of which a round reads at most 3 rows (12 values) and a
+# task ~6 rounds' worth; hashing them all was a sixth to a quarter of a 576-agent round. With JAX's
+# partitionable threefry (the default, `jax_threefry_partitionable`), element i of
+# `uniform(key, shape)` is a function of (key, i) alone, so `uniforms_at` computes any element
+# without the others, bit for bit (tests/test_draws.py pins this against jax.random.uniform).
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LazyTaskDraws:
+    """TaskDraws with `calls` not yet drawn: its key instead (`call_rows` draws the rows read)."""
+
+    entry: jax.Array  # ()
+    infer: jax.Array  # (N_INFER,)
+    route: jax.Array  # (N_VISITS, N_ROUTE)
+    calls_key: jax.Array  # (2,) uint32: fold_in(key_t, calls field), raw threefry key data
+
+
+def lazy_task_draws(seed, dataset_id, t) -> LazyTaskDraws:
+    """`task_draws` without the calls block: the same entry, infer and route values."""
+    key = task_key(seed, dataset_id, t)
+
+    def uniform(field: int, shape: tuple[int, ...]) -> jax.Array:
+        return jax.random.uniform(jax.random.fold_in(key, field), shape, dtype=jnp.float64)
+
+    return LazyTaskDraws(
+        entry=uniform(_FIELD_ENTRY, ()),
+        infer=uniform(_FIELD_INFER, (N_INFER,)),
+        route=uniform(_FIELD_ROUTE, (N_VISITS, N_ROUTE)),
+        calls_key=jax.random.fold_in(key, _FIELD_CALLS),
+    )
+
+
+_ONE_BITS = np.array(1.0, np.float64).view(np.uint64)
+
+
+def uniforms_at(key, index):
+    """`jax.random.uniform(key, shape, float64).ravel()[index]` for raw uint32 key data (..., 2)
+    whose leading axes broadcast against index's, computed for the flat indices asked only
+    (index < 2**32): the partitionable threefry hashes the counter (0, index), and uniform keeps
+    the top 52 of the 64 bits as the mantissa of a float in [1, 2), minus 1."""
+    index = jnp.asarray(index, jnp.uint32)
+    k1, k2 = (jnp.broadcast_to(key[..., i], index.shape) for i in (0, 1))
+    hi, lo = threefry2x32_p.bind(k1, k2, jnp.zeros_like(index), index)
+    bits = (hi.astype(jnp.uint64) << jnp.uint64(32)) | lo.astype(jnp.uint64)
+    mantissa = (bits >> jnp.uint64(64 - 52)) | jnp.uint64(_ONE_BITS)
+    return jnp.maximum(0.0, lax.bitcast_convert_type(mantissa, jnp.float64) - 1.0)
+
+
+def call_rows(calls_key, visit, rows):
+    """`task_draws(...).calls[visit, rows]` from the task's calls key: rows (..., R) call slots,
+    keys (..., 2) and visits (...) broadcast against them; returns (..., R, N_CALL_U)."""
+    rows = jnp.asarray(rows, jnp.int32)
+    flat = (jnp.asarray(visit, jnp.int32)[..., None] * N_CALL_SLOTS + rows) * N_CALL_U
+    index = flat[..., None] + jnp.arange(N_CALL_U, dtype=jnp.int32)
+    return uniforms_at(jnp.asarray(calls_key)[..., None, None, :], index)
 
 
 @jax.jit

@@ -880,6 +880,16 @@ _KIND_TABLE = np.full((10, 3), -1, np.int32)
 for _phase, _kinds in _PHASE_CALLS.items():
     _KIND_TABLE[_phase] = _kinds
 
+# phase -> the call slots (rows of the visit's TaskDraws.calls block) its calls read, padded with
+# its first; infer reads TaskDraws.infer, the other phases none
+_PHASE_ROWS = {GENERATE: (D.GENERATE,), REVIEW: D.REVIEW_SAMPLES, ROUND1: D.ROUND1, ROUND2: D.ROUND2,
+               CANDIDATES: D.CANDIDATES, SYNTH: (D.SYNTHESIS,)}  # fmt: skip
+_ROWS_TABLE = np.zeros((10, 3), np.int32)  # (phase, k): the k-th row drawn
+_ROW_POSITION = np.zeros((10, D.N_CALL_SLOTS), np.int32)  # (phase, call slot): which drawn row holds it
+for _phase, _rows in _PHASE_ROWS.items():
+    _ROWS_TABLE[_phase] = _rows + (_rows[0],) * (3 - len(_rows))
+    _ROW_POSITION[_phase, list(_rows)] = range(len(_rows))
+
 
 def emit(cfg: EngineConfig, p: Params, world: World, slots: Slots) -> Requests:
     kind = jnp.asarray(_KIND_TABLE)[slots.phase]
@@ -1035,9 +1045,14 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     )  # fmt: skip
 
 
-def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, requests: Requests, draws: D.TaskDraws):
-    """The emulated backend for all slots of one stream (draws: the slots' tasks, leading (S,))."""
-    u_calls = draws.calls[jnp.arange(cfg.slots), requests.visit]  # (S, 11, 4)
+def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, requests: Requests,
+            draws: D.LazyTaskDraws):  # fmt: skip
+    """The emulated backend for all slots of one stream (draws: the slots' tasks, leading (S,)).
+    Each slot's (N_CALL_SLOTS, N_CALL_U) block of its visit holds the rows its phase reads, drawn
+    now (`D.call_rows`, equal to `task_draws(...).calls[visit, row]`); the other rows repeat them
+    and are read only by the phase branches `emulate_slot` discards."""
+    rows = D.call_rows(draws.calls_key, requests.visit, jnp.asarray(_ROWS_TABLE)[requests.phase])  # (S, 3, 4)
+    u_calls = jnp.take_along_axis(rows, jnp.asarray(_ROW_POSITION)[requests.phase][:, :, None], axis=1)  # (S, 11, 4)
     u_infer = draws.infer  # (S, 3)
     return jax.vmap(emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(p, world, backend, requests, u_calls, u_infer)
 
@@ -1187,12 +1202,12 @@ class DrawWindow:
     when a round could pass its end (`refill_window`), so every task a round starts lies inside it."""
 
     first: jax.Array  # () int32
-    draws: D.TaskDraws  # leading (W,)
+    draws: D.LazyTaskDraws  # leading (W,)
 
 
 def draw_window(world: World, first, width: int) -> DrawWindow:
     ts = first + jnp.arange(width, dtype=jnp.int32)
-    return DrawWindow(first, jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(ts))
+    return DrawWindow(first, jax.vmap(lambda t: D.lazy_task_draws(world.seed, world.dataset_id, t))(ts))
 
 
 @pytree
@@ -1200,7 +1215,7 @@ class Carry:
     net: Net
     slots: Slots
     backend: Backend
-    draws: D.TaskDraws  # (S, ...) the draws of each slot's task
+    draws: D.LazyTaskDraws  # (S, ...) the draws of each slot's task (calls drawn when read)
     next_t: jax.Array  # next task to enter
     window: DrawWindow  # the draws of the next tasks (`window_width`; refilled as tasks are taken)
 
@@ -1230,7 +1245,7 @@ def window_width(cfg: EngineConfig) -> int:
 
 
 def initial_carry(cfg: EngineConfig, world: World) -> Carry:
-    draws = jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t))(jnp.ones(cfg.slots, jnp.int32))
+    draws = jax.vmap(lambda t: D.lazy_task_draws(world.seed, world.dataset_id, t))(jnp.ones(cfg.slots, jnp.int32))
     return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), draws, jnp.int32(1),
                  draw_window(world, jnp.int32(1), window_width(cfg)))  # fmt: skip
 
@@ -1244,7 +1259,7 @@ def refill_window(world: World, window: DrawWindow, next_t, slots: int) -> DrawW
                         lambda: draw_window(world, next_t, width), lambda: window)  # fmt: skip
 
 
-def slot_draws(window: DrawWindow, ts) -> D.TaskDraws:
+def slot_draws(window: DrawWindow, ts) -> D.LazyTaskDraws:
     """(S,) tasks' draws, gathered from a window that holds them (`refill_window`)."""
     return at(window.draws, ts - window.first)
 

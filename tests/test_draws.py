@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshheal_jax import draws as D
 
@@ -91,3 +93,48 @@ def test_stream_rows_do_not_depend_on_length(stream42):
     longer = D.stream_draws(3, 1, 84)
     for f in FIELDS:
         assert np.array_equal(getattr(longer, f)[:42], getattr(stream42, f))
+
+
+# ----------------------------------------------------------------------------------------------
+# Lazy draws (the JAX engine): the same values, computed only where read
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (9, 11, 4), (2, 3, 4, 5)])
+def test_uniforms_at_is_jax_random_uniform_element_by_element(shape):
+    """Pins the partitionable-threefry identity the lazy draws rely on: a JAX release that changed
+    how uniform hashes its counters (or turned `jax_threefry_partitionable` off) fails here."""
+    key = jax.random.fold_in(D.task_key(5, 2, 99), 7)
+    full = np.asarray(jax.random.uniform(key, shape, dtype=np.float64)).ravel()
+    index = np.random.default_rng(len(shape)).permutation(full.size)
+    np.testing.assert_array_equal(np.asarray(D.uniforms_at(key, index)), full[index])
+
+
+def test_lazy_task_draws_are_task_draws_without_the_calls_block():
+    ts = np.arange(1, 40, dtype=np.int32)
+    full = jax.vmap(lambda t: D.task_draws(3, 1, t))(ts)
+    lazy = jax.vmap(lambda t: D.lazy_task_draws(3, 1, t))(ts)
+    for f in ("entry", "infer", "route"):
+        np.testing.assert_array_equal(np.asarray(getattr(lazy, f)), np.asarray(getattr(full, f)), err_msg=f)
+    assert lazy.calls_key.shape == (39, 2) and lazy.calls_key.dtype == np.uint32
+
+
+@given(t=st.integers(1, 10**6), seed=st.integers(0, 2**31 - 1), dataset_id=st.integers(0, 9),
+       visit=st.integers(0, D.N_VISITS - 1), rows=st.lists(st.integers(0, D.N_CALL_SLOTS - 1), min_size=1, max_size=4))
+@settings(max_examples=40, deadline=None)
+def test_call_rows_equal_the_calls_block(t, seed, dataset_id, visit, rows):
+    full = np.asarray(D.task_draws(seed, dataset_id, t).calls)
+    key = D.lazy_task_draws(seed, dataset_id, t).calls_key
+    np.testing.assert_array_equal(np.asarray(D.call_rows(key, visit, np.array(rows))), full[visit, rows])
+
+
+def test_call_rows_batched_under_jit():
+    """(S,) slots, each its own task, visit and rows, as the engine's `emulate` asks."""
+    rng = np.random.default_rng(1)
+    ts = rng.integers(1, 5000, 16).astype(np.int32)
+    visits = rng.integers(0, D.N_VISITS, 16).astype(np.int32)
+    rows = rng.integers(0, D.N_CALL_SLOTS, (16, 3)).astype(np.int32)
+    keys = jax.vmap(lambda t: D.lazy_task_draws(0, 2, t).calls_key)(ts)
+    calls = np.asarray(jax.vmap(lambda t: D.task_draws(0, 2, t).calls)(ts))
+    got = np.asarray(jax.jit(D.call_rows)(keys, visits, rows))
+    np.testing.assert_array_equal(got, calls[np.arange(16)[:, None], visits[:, None], rows])

@@ -55,6 +55,10 @@ def test_every_table_has_its_columns(quick_run):
             assert set(row) == set(lt.COLUMNS[name]), name
             assert all(v is not None for v in row.values())
         assert f"### {table['title']}" in stdout
+    floor = result["tables"]["b"]["floor"]  # the SDK's CPU per call on an in-process transport
+    assert floor["columns"] == lt.COLUMNS["b_floor"] and len(floor["rows"]) == 2
+    assert all(set(row) == set(floor["columns"]) and row["cpu_ms_per_call"] > 0 for row in floor["rows"])
+    assert f"### {floor['title']}" in stdout
     assert (
         result["machine"]["cores"] >= 1 and result["latency_s"] == 0.2 and result["ratio_latency_s"] == 0.05
     )
