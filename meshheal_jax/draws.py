@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.random import threefry2x32_p
 
 jax.config.update("jax_enable_x64", True)
 
@@ -124,6 +123,23 @@ def lazy_task_draws(seed, dataset_id, t) -> LazyTaskDraws:
 
 
 _ONE_BITS = np.array(1.0, np.float64).view(np.uint64)
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k1, k2, x1, x2):
+    """Threefry-2x32 (20 rounds), the hash behind jax.random, written out straight: JAX lowers its
+    primitive on CPU as a rolled 5-iteration loop, a few small ops per iteration, which cost more
+    than the hashing itself for the ~10^3 counters a round draws; unrolled, XLA fuses it into one
+    elementwise kernel. Same values (tests/test_draws.py pins `uniforms_at` against
+    jax.random.uniform)."""
+    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x1 = x1 + x2
+            x2 = x1 ^ ((x2 << jnp.uint32(r)) | (x2 >> jnp.uint32(32 - r)))
+        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x1, x2
 
 
 def uniforms_at(key, index):
@@ -133,7 +149,7 @@ def uniforms_at(key, index):
     the top 52 of the 64 bits as the mantissa of a float in [1, 2), minus 1."""
     index = jnp.asarray(index, jnp.uint32)
     k1, k2 = (jnp.broadcast_to(key[..., i], index.shape) for i in (0, 1))
-    hi, lo = threefry2x32_p.bind(k1, k2, jnp.zeros_like(index), index)
+    hi, lo = _threefry2x32(k1, k2, jnp.zeros_like(index), index)
     bits = (hi.astype(jnp.uint64) << jnp.uint64(32)) | lo.astype(jnp.uint64)
     mantissa = (bits >> jnp.uint64(64 - 52)) | jnp.uint64(_ONE_BITS)
     return jnp.maximum(0.0, lax.bitcast_convert_type(mantissa, jnp.float64) - 1.0)
