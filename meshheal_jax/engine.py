@@ -884,11 +884,18 @@ for _phase, _kinds in _PHASE_CALLS.items():
 # its first; infer reads TaskDraws.infer, the other phases none
 _PHASE_ROWS = {GENERATE: (D.GENERATE,), REVIEW: D.REVIEW_SAMPLES, ROUND1: D.ROUND1, ROUND2: D.ROUND2,
                CANDIDATES: D.CANDIDATES, SYNTH: (D.SYNTHESIS,)}  # fmt: skip
-_ROWS_TABLE = np.zeros((10, 3), np.int32)  # (phase, k): the k-th row drawn
-_ROW_POSITION = np.zeros((10, D.N_CALL_SLOTS), np.int32)  # (phase, call slot): which drawn row holds it
-for _phase, _rows in _PHASE_ROWS.items():
-    _ROWS_TABLE[_phase] = _rows + (_rows[0],) * (3 - len(_rows))
-    _ROW_POSITION[_phase, list(_rows)] = range(len(_rows))
+
+
+def _call_row_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(phase, k) -> the k-th row drawn; (phase, call slot) -> which drawn row holds it."""
+    drawn, position = np.zeros((10, 3), np.int32), np.zeros((10, D.N_CALL_SLOTS), np.int32)
+    for phase, read in _PHASE_ROWS.items():
+        drawn[phase] = read + (read[0],) * (3 - len(read))
+        position[phase, list(read)] = range(len(read))
+    return drawn, position
+
+
+_ROWS_TABLE, _ROW_POSITION = _call_row_tables()
 
 
 def emit(cfg: EngineConfig, p: Params, world: World, slots: Slots) -> Requests:
