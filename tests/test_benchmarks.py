@@ -30,3 +30,20 @@ def test_gpu_run_refuses_without_a_gpu(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert done.returncode == 1 and "JAX sees no GPU" in done.stderr
+
+
+def test_ab_rounds_alternates_two_checkouts(tmp_path):
+    """benchmarks/ab_rounds.py on this checkout against itself: both arms report, turns alternate;
+    a folder that is not a checkout is named."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "ab_rounds.py"), str(ROOT), str(ROOT), "--agents", "6",
+           "--turns", "2", "--chunks", "1", "--rounds", "4", "--skip", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("6 agents x 1 stream(s), 2 turns of 1 x 4 rounds")
+    rows = [line for line in lines if line.startswith(("| before", "| after"))]
+    assert len(rows) == 2 and all(str(ROOT) in row for row in rows)
+    assert all(float(row.split("|")[3]) > 0 for row in rows)
+    assert lines[-1].startswith("change of the median:")
+    bad = subprocess.run([*cmd[:2], str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode != 0 and "is not a checkout of this repository" in bad.stderr

@@ -1,0 +1,114 @@
+"""Lock-step A/B of the JAX engine's round time between two checkouts of this repository.
+
+On a shared machine the speed drifts by up to ~1.5x within minutes, so two runs one after the other
+compare the machine's moods as much as the code. Here each arm runs in its own process (its
+checkout's package on PYTHONPATH, so the editable install cannot stand in for it) and the two
+take turns: one turn = `--chunks` chunks of `--rounds` rounds from the same mid-run state, timed
+with `block_until_ready`, then the other arm's turn. A slow phase of the machine hits both alike.
+Prints each arm's median and best time per round and the change.
+
+    git worktree add /tmp/before <ref>
+    python benchmarks/ab_rounds.py /tmp/before . --agents 576
+    python benchmarks/ab_rounds.py /tmp/before . --agents 6 --streams 64
+    python benchmarks/ab_rounds.py /tmp/before . --agents 9216 --turns 6
+
+The network is the scale experiment's (replicated bbh profile, sparse graph above 6 agents,
+slots N/6, seeds 0..streams-1), built by each checkout's own benchmarks/sim_throughput.py; the
+state is taken after `--skip` chunks, past the detector's warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def arm(args: argparse.Namespace) -> None:
+    """One arm: build, warm up, then one turn per 'go' line on stdin, its seconds per round on stdout."""
+    sys.path.insert(0, str(Path.cwd() / "benchmarks"))
+    import jax
+    import sim_throughput as B
+
+    from meshheal_jax import engine
+
+    specs = B.make_specs(args.agents, args.agents > 6, args.streams)
+    cfg, params, worlds, batched = B.engine_inputs(specs, max(1, args.agents // 6))
+    start = engine.initial_carries(cfg, worlds)
+    for _ in range(args.skip):
+        start, _ = engine.run_rounds(cfg, params, worlds, start, args.rounds, batched)
+    jax.block_until_ready(start)
+    print(f"ready {engine.__file__}", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        carry = start
+        t0 = time.perf_counter()
+        for _ in range(args.chunks):
+            carry, records = engine.run_rounds(cfg, params, worlds, carry, args.rounds, batched)
+        jax.block_until_ready((carry, records))
+        print(f"seconds {(time.perf_counter() - t0) / (args.chunks * args.rounds)}", flush=True)
+
+
+def _reply(proc: subprocess.Popen, word: str) -> str:
+    """The rest of the arm's next stdout line that starts with `word` (other lines are skipped)."""
+    for line in proc.stdout:
+        if line.startswith(word + " "):
+            return line[len(word) + 1 :].strip()
+    sys.exit(f"an arm stopped before saying '{word}' (exit {proc.wait()})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("before", type=Path, nargs="?", help="checkout of the first arm")
+    ap.add_argument("after", type=Path, nargs="?", help="checkout of the second arm")
+    ap.add_argument("--agents", type=int, default=576)
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--turns", type=int, default=15, help="turns per arm")
+    ap.add_argument("--chunks", type=int, default=4, help="chunks per turn")
+    ap.add_argument("--rounds", type=int, default=32, help="rounds per chunk")
+    ap.add_argument("--skip", type=int, default=4, help="chunks run before the timed state")
+    ap.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.arm:
+        arm(args)
+        return
+    if args.before is None or args.after is None:
+        ap.error("give two checkouts: BEFORE AFTER")
+    passed = ["--agents", str(args.agents), "--streams", str(args.streams), "--chunks", str(args.chunks),
+              "--rounds", str(args.rounds), "--skip", str(args.skip), "--arm"]  # fmt: skip
+    arms = []
+    for checkout in (args.before, args.after):
+        root = checkout.resolve()
+        if not (root / "meshheal_jax" / "engine.py").is_file():
+            ap.error(f"{checkout} is not a checkout of this repository (no meshheal_jax/engine.py)")
+        env = dict(os.environ, PYTHONPATH=str(root), MESHHEAL_JAX_CACHE="off")
+        arms.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *passed], cwd=root, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
+    names = []
+    for proc in arms:  # both build and compile at once; the timed turns alternate
+        names.append(_reply(proc, "ready").removesuffix("/meshheal_jax/engine.py"))
+    times: list[list[float]] = [[], []]
+    for _ in range(args.turns):
+        for k, proc in enumerate(arms):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            times[k].append(float(_reply(proc, "seconds")))
+    for proc in arms:
+        proc.stdin.close()
+        proc.wait()
+    print(f"{args.agents} agents x {args.streams} stream(s), {args.turns} turns of {args.chunks} x {args.rounds} "
+          f"rounds per arm, alternating")  # fmt: skip
+    print("| arm | checkout | round ms, median | best |\n|---|---|---|---|")
+    for label, name, t in zip(("before", "after"), names, times):
+        print(f"| {label} | {name} | {1e3 * statistics.median(t):.3f} | {1e3 * min(t):.3f} |")
+    change = statistics.median(times[1]) / statistics.median(times[0]) - 1
+    print(f"change of the median: {100 * change:+.1f}% (best: {100 * (min(times[1]) / min(times[0]) - 1):+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
