@@ -4,7 +4,8 @@ On a shared machine the speed drifts by up to ~1.5x within minutes, so two runs 
 compare the machine's moods as much as the code. Here each arm runs in its own process (its
 checkout's package on PYTHONPATH, so the editable install cannot stand in for it) and the two
 take turns: one turn = `--chunks` chunks of `--rounds` rounds from the same mid-run state, timed
-with `block_until_ready`, then the other arm's turn. A slow phase of the machine hits both alike.
+with `block_until_ready`, then the other arm's turn (which arm goes first alternates from turn to
+turn). A slow phase of the machine hits both alike.
 Prints each arm's median and best time per round and the change.
 
     git worktree add /tmp/before <ref>
@@ -54,12 +55,25 @@ def arm(args: argparse.Namespace) -> None:
         print(f"seconds {(time.perf_counter() - t0) / (args.chunks * args.rounds)}", flush=True)
 
 
+class ArmStopped(RuntimeError):
+    pass
+
+
 def _reply(proc: subprocess.Popen, word: str) -> str:
     """The rest of the arm's next stdout line that starts with `word` (other lines are skipped)."""
     for line in proc.stdout:
         if line.startswith(word + " "):
             return line[len(word) + 1 :].strip()
-    sys.exit(f"an arm stopped before saying '{word}' (exit {proc.wait()})")
+    raise ArmStopped(f"an arm stopped before saying '{word}' (exit {proc.wait()})")
+
+
+def _turn(proc: subprocess.Popen) -> float:
+    try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        raise ArmStopped(f"an arm stopped between turns (exit {proc.wait()})") from None
+    return float(_reply(proc, "seconds"))
 
 
 def main() -> None:
@@ -89,18 +103,23 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(root), MESHHEAL_JAX_CACHE="off")
         arms.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *passed], cwd=root, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
-    names = []
-    for proc in arms:  # both build and compile at once; the timed turns alternate
-        names.append(_reply(proc, "ready").removesuffix("/meshheal_jax/engine.py"))
+    names: list[str] = []
     times: list[list[float]] = [[], []]
-    for _ in range(args.turns):
-        for k, proc in enumerate(arms):
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            times[k].append(float(_reply(proc, "seconds")))
-    for proc in arms:
-        proc.stdin.close()
-        proc.wait()
+    try:
+        for proc in arms:  # both build and compile at once; the timed turns alternate
+            names.append(_reply(proc, "ready").removesuffix("/meshheal_jax/engine.py"))
+        for turn in range(args.turns):
+            for k in (0, 1) if turn % 2 == 0 else (1, 0):
+                times[k].append(_turn(arms[k]))
+        for proc in arms:
+            proc.stdin.close()
+            proc.wait()
+    except ArmStopped as err:
+        sys.exit(str(err))
+    finally:
+        for proc in arms:  # an arm still building or running when the other failed
+            if proc.poll() is None:
+                proc.kill()
     print(f"{args.agents} agents x {args.streams} stream(s), {args.turns} turns of {args.chunks} x {args.rounds} "
           f"rounds per arm, alternating")  # fmt: skip
     print("| arm | checkout | round ms, median | best |\n|---|---|---|---|")

@@ -25,6 +25,9 @@ import numpy as np
 from jax import lax
 
 jax.config.update("jax_enable_x64", True)
+# element i of uniform(key, shape) a function of (key, i) alone: the default from JAX 0.5, set here
+# for older releases, since the JAX engine's lazy call draws rely on it (LazyTaskDraws, decisions D4)
+jax.config.update("jax_threefry_partitionable", True)
 
 N_VISITS = 9  # moves <= 8, so visits 0..8
 
@@ -147,8 +150,12 @@ def uniforms_at(key, index):
     whose leading axes broadcast against index's, computed for the flat indices asked only
     (index < 2**32): the partitionable threefry hashes the counter (0, index), and uniform keeps
     the top 52 of the 64 bits as the mantissa of a float in [1, 2), minus 1."""
-    index = jnp.asarray(index, jnp.uint32)
-    k1, k2 = (jnp.broadcast_to(key[..., i], index.shape) for i in (0, 1))
+    if not jax.config.read("jax_enable_x64"):
+        raise RuntimeError("draws.uniforms_at needs jax_enable_x64 (float64 uniforms); it was turned off")
+    key = jnp.asarray(key)
+    shape = jnp.broadcast_shapes(key.shape[:-1], jnp.shape(index))
+    index = jnp.broadcast_to(jnp.asarray(index, jnp.uint32), shape)
+    k1, k2 = (jnp.broadcast_to(key[..., i], shape) for i in (0, 1))
     hi, lo = _threefry2x32(k1, k2, jnp.zeros_like(index), index)
     bits = (hi.astype(jnp.uint64) << jnp.uint64(32)) | lo.astype(jnp.uint64)
     mantissa = (bits >> jnp.uint64(64 - 52)) | jnp.uint64(_ONE_BITS)

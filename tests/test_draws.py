@@ -138,3 +138,17 @@ def test_call_rows_batched_under_jit():
     calls = np.asarray(jax.vmap(lambda t: D.task_draws(0, 2, t).calls)(ts))
     got = np.asarray(jax.jit(D.call_rows)(keys, visits, rows))
     np.testing.assert_array_equal(got, calls[np.arange(16)[:, None], visits[:, None], rows])
+
+
+def test_call_rows_broadcast_batched_keys_against_one_visit_and_rows():
+    ts = np.arange(1, 5, dtype=np.int32)
+    keys = jax.vmap(lambda t: D.lazy_task_draws(0, 1, t).calls_key)(ts)
+    calls = np.asarray(jax.vmap(lambda t: D.task_draws(0, 1, t).calls)(ts))
+    got = np.asarray(D.call_rows(keys, 2, np.array([0, 3, 10])))
+    np.testing.assert_array_equal(got, calls[:, 2, [0, 3, 10]])
+
+
+def test_uniforms_at_refuses_without_x64():
+    key = D.lazy_task_draws(0, 0, 1).calls_key
+    with jax.enable_x64(False), pytest.raises(RuntimeError, match="jax_enable_x64"):
+        D.uniforms_at(key, np.arange(4))

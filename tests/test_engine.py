@@ -173,3 +173,38 @@ def test_slots_above_one_agree_statistically():
 def test_rejects_slots_beyond_n_over_6():
     with pytest.raises(engine.MeshHealError, match="slots"):
         engine.run_streams([main_spec("math", 0, 42)], PROTOCOL, slots=2)
+
+
+def test_emulate_with_lazy_call_draws_equals_the_full_block():
+    """`emulate` draws only the call rows each slot's phase reads (decisions D4); given the whole
+    (visits, call slots, 4) block of `draws.task_draws` instead, `emulate_slot` answers the same,
+    every output leaf, over rounds that go through every phase (12 agents, 2 slots)."""
+    from meshheal_jax import draws as D
+
+    spec = main_spec("math", 0, 126, n_agents=12)
+    cfg = engine.EngineConfig(n_agents=12, n_abilities=7, n_types=7, n_tasks=126, slots=2)
+    params = engine.make_params(PROTOCOL, PAIR, spec.network.profile, 12)
+    world = engine.make_world(spec.network, spec.stream, spec.schedule)
+
+    def full_block(backend, requests, draws, ts):
+        calls = jax.vmap(lambda t: D.task_draws(world.seed, world.dataset_id, t).calls)(ts)
+        u_calls = calls[np.arange(cfg.slots), requests.visit]
+        return jax.vmap(engine.emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(
+            params, world, backend, requests, u_calls, draws.infer)  # fmt: skip
+
+    lazy = jax.jit(lambda b, r, d: engine.emulate(cfg, params, world, b, r, d))
+    full = jax.jit(full_block)
+    take = jax.jit(lambda c: engine._take_tasks(cfg, params, world, c))
+    emit = jax.jit(lambda s: engine.emit(cfg, params, world, s))
+    step = jax.jit(lambda c: engine.round_step(cfg, params, world, c)[0])
+    carry, phases = engine.initial_carry(cfg, world), set()
+    for _ in range(240):
+        taken = take(carry)
+        requests = emit(taken.slots)
+        ts = np.maximum(np.asarray(taken.slots.t), 1).astype(np.int32)
+        got, want = lazy(taken.backend, requests, taken.draws), full(taken.backend, requests, taken.draws, ts)
+        assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, got, want))
+        phases |= set(np.asarray(requests.phase)[np.asarray(requests.mask).any(axis=1)].tolist())
+        carry = step(carry)
+    assert phases >= {engine.INFER, engine.GENERATE, engine.REVIEW, engine.ROUND1, engine.ROUND2,
+                      engine.CANDIDATES, engine.SYNTH}  # fmt: skip
