@@ -75,18 +75,11 @@ def task_key(seed: int | jax.Array, dataset_id: int | jax.Array, t: int | jax.Ar
 
 
 def task_draws(seed, dataset_id, t) -> TaskDraws:
-    """Every uniform task t (1-based) of stream (seed, dataset) may consume."""
-    key = task_key(seed, dataset_id, t)
-
-    def uniform(field: int, shape: tuple[int, ...]) -> jax.Array:
-        return jax.random.uniform(jax.random.fold_in(key, field), shape, dtype=jnp.float64)
-
-    return TaskDraws(
-        entry=uniform(_FIELD_ENTRY, ()),
-        infer=uniform(_FIELD_INFER, (N_INFER,)),
-        route=uniform(_FIELD_ROUTE, (N_VISITS, N_ROUTE)),
-        calls=uniform(_FIELD_CALLS, (N_VISITS, N_CALL_SLOTS, N_CALL_U)),
-    )
+    """Every uniform task t (1-based) of stream (seed, dataset) may consume: `lazy_task_draws` with
+    its calls block drawn whole."""
+    lazy = lazy_task_draws(seed, dataset_id, t)
+    calls = jax.random.uniform(lazy.calls_key, (N_VISITS, N_CALL_SLOTS, N_CALL_U), dtype=jnp.float64)
+    return TaskDraws(entry=lazy.entry, infer=lazy.infer, route=lazy.route, calls=calls)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +104,8 @@ class LazyTaskDraws:
 
 
 def lazy_task_draws(seed, dataset_id, t) -> LazyTaskDraws:
-    """`task_draws` without the calls block: the same entry, infer and route values."""
+    """Task t's entry, infer and route uniforms, and the key its calls block is drawn from (each
+    field from fold_in(key_t, field id))."""
     key = task_key(seed, dataset_id, t)
 
     def uniform(field: int, shape: tuple[int, ...]) -> jax.Array:

@@ -1252,9 +1252,10 @@ def window_width(cfg: EngineConfig) -> int:
 
 
 def initial_carry(cfg: EngineConfig, world: World) -> Carry:
-    draws = jax.vmap(lambda t: D.lazy_task_draws(world.seed, world.dataset_id, t))(jnp.ones(cfg.slots, jnp.int32))
+    window = draw_window(world, jnp.int32(1), window_width(cfg))
+    draws = slot_draws(window, jnp.ones(cfg.slots, jnp.int32))  # idle slots' placeholder: task 1's
     return Carry(initial_net(cfg, world), initial_slots(cfg), initial_backend(cfg.slots), draws, jnp.int32(1),
-                 draw_window(world, jnp.int32(1), window_width(cfg)))  # fmt: skip
+                 window)  # fmt: skip
 
 
 def refill_window(world: World, window: DrawWindow, next_t, slots: int) -> DrawWindow:

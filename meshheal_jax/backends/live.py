@@ -663,16 +663,8 @@ class LiveClient:
     # -- one HTTP call: cache, then the wire ---------------------------------------------------
 
     def _params(self, request: CallRequest, n: int, seed: int) -> dict[str, Any]:
-        group = self.groups[request.role]
-        return {
-            "n": n,
-            "seed": seed,
-            "max_completion_tokens": request.max_completion_tokens,
-            "temperature": request.sampling.temperature,
-            "top_p": request.sampling.top_p,
-            "response_format": dict(request.response_format) if request.response_format else None,
-            "reasoning_effort": group.effort_for(self.model_ids[request.role]),
-        }
+        effort = self.groups[request.role].effort_for(self.model_ids[request.role])
+        return request_params(request, n, seed, effort)
 
     async def _send(self, request: CallRequest, n: int, seed: int) -> tuple[dict, bool, int]:
         """(payload, from cache, transport retries) of one HTTP call."""
@@ -712,10 +704,7 @@ class LiveClient:
         # the SDK's two per-call walks: the type-directed transform of the arguments (every
         # message, the review schema) and the `ChatCompletion` model built from the reply, about
         # 0.5 ms of CPU per call between them (benchmarks/README.md, section b).
-        body: dict[str, Any] = {"model": group.served_name, "messages": list(request.messages)}
-        for key in (*_SDK_BODY_ORDER, *params):
-            if key not in body and params.get(key) not in (None, ""):
-                body[key] = params[key]
+        body = chat_body(group.served_name, request.messages, params)
         last_error = ""
         tried: list[str] = []
         for attempt in range(self.retry.max_retries + 1):
@@ -772,6 +761,29 @@ _MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
 _SDK_BODY_ORDER = (
     "max_completion_tokens", "n", "reasoning_effort", "response_format", "seed", "temperature", "top_p"
 )
+
+
+def request_params(request: CallRequest, n: int, seed: int, reasoning_effort: str | None) -> dict[str, Any]:
+    """The sampling parameters of one HTTP call of `request` (the cache key's and the body's)."""
+    return {
+        "n": n,
+        "seed": seed,
+        "max_completion_tokens": request.max_completion_tokens,
+        "temperature": request.sampling.temperature,
+        "top_p": request.sampling.top_p,
+        "response_format": dict(request.response_format) if request.response_format else None,
+        "reasoning_effort": reasoning_effort,
+    }
+
+
+def chat_body(served_name: str, messages, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON body of a chat completion request, laid out as the SDK's typed `create` lays it
+    out (`_SDK_BODY_ORDER`); parameters that are None or "" are not sent."""
+    body: dict[str, Any] = {"model": served_name, "messages": list(messages)}
+    for key in (*_SDK_BODY_ORDER, *params):
+        if key not in body and params.get(key) not in (None, ""):
+            body[key] = params[key]
+    return body
 
 
 def _short(err: object, limit: int = 300) -> str:
