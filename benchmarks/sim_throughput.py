@@ -9,7 +9,8 @@ reference runs one task at a time (slots = 1) with its own emulator and records.
 Sections (each prints a markdown table):
   main   6 agents, complete graph, 3 datasets x seeds, full 504-task streams
   scale  96 and 576 agents, sparse graph, a prefix past the warm-up (slots 1 and N/6)
-  batch  tasks/s against the number of streams (6 and 576 agents)
+  batch  tasks/s against the number of streams (6 and 576 agents), in one process and split
+         over --workers processes pinned to their own cores (as `--workers` runs experiments)
   size   per-task cost against agents (sparse 6 .. 36,864; complete to 576), each size in its
          own process so its peak RSS is its own
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -51,13 +53,13 @@ def network(dataset: str, n_agents: int, sparse: bool):
     return build_network(profile, n_agents, edges=graphs.sparse_edges(holds, degraded, 0))
 
 
-def make_specs(n_agents: int, sparse: bool, seeds: int, datasets=("bbh",)) -> list[engine.StreamSpec]:
+def make_specs(n_agents: int, sparse: bool, seeds: int, datasets=("bbh",), first_seed: int = 0) -> list[engine.StreamSpec]:
     pair = load_pair("default")
     n_tasks = 504 * n_agents // 6
     out = []
     for dataset in datasets:
         net = network(dataset, n_agents, sparse)
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             stream = make_stream(seed, net.profile.dataset_id, n_tasks, 7, (1, n_tasks // 2 + 1), ("healthy", "degraded"))
             out.append(engine.StreamSpec(net, stream, persistent_schedule(n_agents, n_tasks, net.degraded_targets), pair,
                                          {"method": "meshheal", "dataset": dataset, "pair": "default", "seed": seed}))  # fmt: skip
@@ -83,8 +85,9 @@ def tasks_finished(cfg, carry) -> int:
     return int((np.minimum(np.asarray(carry.next_t) - 1, cfg.n_tasks) - active).sum())
 
 
-def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) -> dict:
-    """tasks/s of the compiled rounds over the first `prefix` tasks of every stream (all if None)."""
+def timed_prefix(specs, slots: int, prefix: int | None, chunk: int):
+    """once() -> (seconds, tasks finished): the compiled rounds over the first `prefix` tasks of
+    every stream (all if None), from the initial carry."""
     cfg, params, worlds, batched = engine_inputs(specs, slots)
     limit = prefix or cfg.n_tasks
 
@@ -99,6 +102,12 @@ def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) ->
                 break
         return time.perf_counter() - start, tasks_finished(cfg, carry)
 
+    return once
+
+
+def jax_rate(specs, slots: int, prefix: int | None, chunk: int, repeats: int) -> dict:
+    """tasks/s of the compiled rounds over the first `prefix` tasks of every stream (all if None)."""
+    once = timed_prefix(specs, slots, prefix, chunk)
     start = time.perf_counter()
     once()  # compile + warm-up, dropped
     compile_s = time.perf_counter() - start
@@ -163,14 +172,72 @@ def section_scale(sizes, seeds: int, prefix_per_six: int, repeats: int, slots_on
     return ratio
 
 
-def section_batch(widths, repeats: int) -> None:
-    for n, prefix_per_six in ((6, 504), (576, 40)):
-        print(f"\n### batch scaling: {n} agents ({'complete' if n == 6 else 'sparse'}), "
-              f"slots {max(n // 6, 1)}\n| streams | tasks/s (sum over streams) |\n|---|---|")  # fmt: skip
+def worker(args: argparse.Namespace) -> None:
+    """One of `workers_rate`'s processes: pinned to its core, it builds and compiles its streams, says
+    'ready', then times one pass per 'go' line on stdin ('seconds tasks' on stdout)."""
+    n, streams, first_seed, core = args.worker
+    os.sched_setaffinity(0, {core})
+    once = timed_prefix(make_specs(n, n > 6, streams, first_seed=first_seed), max(n // 6, 1),
+                        BATCH_PREFIX_PER_SIX[n] * n // 6, BATCH_CHUNK[n])  # fmt: skip
+    once()  # compile + warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        seconds, tasks = once()
+        print(f"timed {seconds} {tasks}", flush=True)
+
+
+def workers_rate(n: int, width: int, workers: int, repeats: int) -> dict:
+    """tasks/s summed over `workers` processes, each pinned to its own core (`os.sched_setaffinity`)
+    and running width / workers streams of its own (distinct seeds), as `--workers` runs them
+    (meshheal_jax.workers). Every pass starts in all processes at once, after each has compiled;
+    a pass's rate is all its tasks over the slowest process's seconds (median of `repeats`)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers or width % workers:
+        raise SystemExit(f"{workers} workers need {workers} cores (have {len(cores)}) and streams divisible by them")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(n), str(width // workers),
+                               str(k * width // workers), str(cores[k])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for k in range(workers)]  # fmt: skip
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise SystemExit(f"a worker process stopped before it was ready (exit {proc.wait()})")
+        passes = []
+        for _ in range(repeats):
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            timed = [proc.stdout.readline().split() for proc in procs]
+            passes.append((max(float(t[1]) for t in timed), sum(int(t[2]) for t in timed)))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.stdin.close()
+                proc.wait(timeout=60)
+    rates = [tasks / seconds for seconds, tasks in passes]
+    return {"rate": statistics.median(rates), "tasks": passes[0][1]}
+
+
+BATCH_PREFIX_PER_SIX = {6: 504, 576: 40}
+BATCH_CHUNK = {6: 256, 576: 32}
+
+
+def section_batch(widths, repeats: int, workers: int = 2, sizes=(6, 576)) -> None:
+    """tasks/s against streams in one process, and (where the streams divide) split over `workers`
+    processes pinned to their own cores."""
+    cores = len(os.sched_getaffinity(0))
+    split = workers > 1 and cores >= workers
+    for n in sizes:
+        per_six = BATCH_PREFIX_PER_SIX[n]
+        print(f"\n### batch scaling: {n} agents ({'complete' if n == 6 else 'sparse'}), slots {max(n // 6, 1)}, "
+              f"first {per_six * n // 6:,} tasks per stream\n"
+              f"| streams | tasks/s, one process | tasks/s, {workers} worker processes (one per core) |\n|---|---|---|")  # fmt: skip
         for width in widths:
             specs = make_specs(n, n > 6, width)
-            r = jax_rate(specs, max(n // 6, 1), prefix_per_six * n // 6, 256 if n == 6 else 32, repeats)
-            print(f"| {width} | {r['rate']:,.0f} |")
+            r = jax_rate(specs, max(n // 6, 1), per_six * n // 6, BATCH_CHUNK[n], repeats)
+            w = workers_rate(n, width, workers, repeats)["rate"] if split and width % workers == 0 else None
+            print(f"| {width} | {r['rate']:,.0f} | {'—' if w is None else f'{w:,.0f}'} |")
 
 
 def one_size(n: int, sparse: bool, prefix_per_six: int) -> dict:
@@ -201,11 +268,18 @@ def main() -> None:
     ap.add_argument("--sections", nargs="*", default=["main", "scale", "batch", "size"])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2, help="batch: also split each width over this many pinned processes")
+    ap.add_argument("--widths", type=int, nargs="*", default=[1, 2, 4, 16, 64, 256], help="batch: numbers of streams")
+    ap.add_argument("--batch-agents", type=int, nargs="*", default=[6, 576], choices=[6, 576], help="batch: network sizes")
     ap.add_argument("--one-size", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", type=int, nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--sparse", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--complete", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prefix-per-six", type=int, default=40, help="tasks per six agents in the scale/size prefix")
     args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
     if args.one_size:
         print(json.dumps(one_size(args.one_size, args.sparse, args.prefix_per_six)))
         return
@@ -220,7 +294,7 @@ def main() -> None:
     if "scale" in args.sections:
         ratio = section_scale([96, 576], args.seeds, args.prefix_per_six, args.repeats)
     if "batch" in args.sections:
-        section_batch([1, 4, 16, 64, 256], max(1, args.repeats // 2))
+        section_batch(args.widths, max(1, args.repeats // 2), args.workers, args.batch_agents)
     if "size" in args.sections:
         section_size([(6, False), (96, True), (576, True), (576, False), (2304, True), (9216, True), (36864, True)],
                      args.prefix_per_six)  # fmt: skip

@@ -54,14 +54,15 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
         raise MeshHealError(f"{what} must be distinct, got {list(given)}")
 
 
-def run_all(name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool) -> dict:
+def run_all(name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool,
+            workers: int = 1) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary."""
     for exp in experiments.values():  # every configuration checked before anything runs
         exp.validate()
     out.mkdir(parents=True, exist_ok=True)
     entries, first = [], None
     for key, exp in experiments.items():
-        results = runner.run(exp, out / key, progress=progress)
+        results = runner.run(exp, out / key, progress=progress, workers=workers)
         first = first or results.summary
         for r in results.summary["results"]:
             if r.get("method", "meshheal") != "meshheal":
@@ -157,7 +158,7 @@ def body(cfg: AblateConfig) -> None:
     check_names(tuple(cfg.variants), VARIANTS, "variants")
     out = combined_out("ablate", cfg.out)
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
-    summary = run_all("ablate", experiments, out, progress=not cfg.quiet)
+    summary = run_all("ablate", experiments, out, progress=not cfg.quiet, workers=cfg.workers)
     print_summary(summary)
     print(f"results: {out}")
 

@@ -38,6 +38,10 @@ class CommonFlags:
     protocol: ProtocolParams = ProtocolParams()  # noqa: RUF009 (frozen: a shared default is safe)
     quiet: bool = False
     """no progress bar"""
+    workers: int = 1
+    """jax or reference engine, emulated backend: split the streams over this many processes, one per CPU
+    core (each compiles its own program: worth it when rounds, not compile, dominate: many streams, large
+    networks; records equal up to float rounding, docs/decisions.md S7)"""
     backend: Literal["emulated", "live"] = "emulated"
     """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
     e.g. serving/vllm_pair.sh; every method, the baselines included)"""

@@ -353,6 +353,27 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
              for name in tables} for parts in kept]  # fmt: skip
 
 
+def _worker_batch(batch: Batch, streams: list[int], slots: int, chunk: int, tables: tuple[str, ...]):
+    """One worker's streams of the batch (`--workers N`, meshheal_jax.workers): its frames, its timings."""
+    part = Batch(batch.points, [batch.specs[s] for s in streams], [batch.point_of[s] for s in streams])
+    timings: dict = {}
+    return run_batch(part, slots, chunk, tables, timings=timings), timings
+
+
+def run_split(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], workers: int,
+              timings: dict) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+    """run_batch with the streams split over `workers` processes, one per core; `timings` gets each
+    worker's seconds (the slowest worker's per key) and `workers`."""
+    from meshheal_jax.workers import map_pinned, split
+
+    groups = split(range(len(batch.specs)), workers)
+    done = map_pinned(_worker_batch, [(batch, g, slots, chunk, tables) for g in groups], "sweep streams")
+    for key in ("first_call", "other_calls", "records", "calls"):
+        timings[key] = max(t[key] for _, t in done)
+    timings["workers"] = len(groups)
+    return [frames for per_stream, _ in done for frames in per_stream]
+
+
 def label_frames(batch: Batch, grid: dict[str, tuple], per_stream: list[dict[str, pl.DataFrame]],
                  tables: tuple[str, ...]) -> dict[str, pl.DataFrame]:  # fmt: skip
     """One frame per table: the stream frames with `grid_point` and one column per swept parameter."""
@@ -663,6 +684,8 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
     sweep_config(batch, cfg.slots)
     if cfg.chunk < 1:
         raise MeshHealError(f"--chunk must be >= 1, got {cfg.chunk}")
+    if cfg.workers < 1:
+        raise MeshHealError(f"--workers must be >= 1, got {cfg.workers}")
     params = stream_params(batch)
     check_effect(grid, batch, params)
     run_dir = prepare_out(cfg.out)
@@ -683,7 +706,12 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
             bar.update(job, total=total, completed=done)
 
         timings: dict = {}
-        per_stream = run_batch(batch, cfg.slots, cfg.chunk, exp.tables, tick, params, timings)
+        if cfg.workers > 1 and len(batch.specs) > 1:
+            bar.update(job, description=f"sweep: {len(points)} grid points, {len(batch.specs)} streams, "
+                                        f"{min(cfg.workers, len(batch.specs))} worker processes")  # fmt: skip
+            per_stream = run_split(batch, cfg.slots, cfg.chunk, exp.tables, cfg.workers, timings)
+        else:
+            per_stream = run_batch(batch, cfg.slots, cfg.chunk, exp.tables, tick, params, timings)
     wall = time.perf_counter() - start
     frames = label_frames(batch, grid, per_stream, exp.tables)
     for name, df in frames.items():
