@@ -1542,12 +1542,22 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
             for s in range(len(specs)):
                 kept[s].append(frames[s])
         k += 1
-    return [{name: pl.concat([f[name] for f in parts]) if parts else _empty(name) for name in tables}
-            for parts in kept]  # fmt: skip
+    return [stream_tables(parts, tables) for parts in kept]
 
 
 def _empty(table: str) -> pl.DataFrame:
     return pl.DataFrame(schema=SCHEMAS[table])
+
+
+def stream_tables(parts: list[dict[str, pl.DataFrame]], tables: tuple[str, ...] = TABLES) -> dict[str, pl.DataFrame]:
+    """One stream's chunk frames joined. The tasks table is put in task order over the whole stream
+    (a chunk's is in task order; with tasks in flight, one that starts earlier may finish in a later
+    chunk), so a stream's tables do not depend on the chunk length, which follows the batch width;
+    the other tables are in round order, which chunks keep."""
+    out = {name: pl.concat([f[name] for f in parts]) if parts else _empty(name) for name in tables}
+    if "tasks" in out:
+        out["tasks"] = out["tasks"].sort("t", maintain_order=True)
+    return out
 
 
 def _labelled(spec: StreamSpec, table: str, columns: dict) -> pl.DataFrame:

@@ -1,4 +1,5 @@
-"""`python -m meshheal_jax.sweep`: a protocol (or emulator) parameter grid in one compiled program.
+"""`python -m meshheal_jax.sweep`: a protocol (or emulator) parameter grid in one compiled program
+(or one per worker process with `--workers N`).
 
 Every swept parameter takes a list; the cartesian grid x datasets x seeds becomes one batch of
 streams whose parameter pytree (`engine.Params`) is stacked with a leading stream axis and run by
@@ -349,8 +350,7 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
             )
     if timings is not None:
         timings.update(clock)
-    return [{name: pl.concat([f[name] for f in parts]) if parts else pl.DataFrame(schema=metrics.SCHEMAS[name])
-             for name in tables} for parts in kept]  # fmt: skip
+    return [engine.stream_tables(parts, tables) for parts in kept]
 
 
 def _worker_batch(batch: Batch, streams: list[int], slots: int, chunk: int, tables: tuple[str, ...]):
@@ -828,8 +828,11 @@ def body(cfg: SweepConfig) -> None:
     summary, timing = result.summary, result.summary["timing_s"]
     streams = len(summary["seeds"]) * len(cfg.datasets) * summary["n_points"]
     setup = timing["wall"] - timing["first_call"] - timing["other_calls"] - timing["records"]
+    split = timing.get("workers", 1)
+    where = (f"in {split} worker processes, one compiled program each (the slowest worker's seconds per stage; "
+             f"setup includes starting them)" if split > 1 else "in one compiled program")  # fmt: skip
     print(f"{summary['n_points']} grid points × {len(cfg.datasets)} dataset(s) × {len(summary['seeds'])} seeds = "
-          f"{streams} streams × {summary['n_tasks']} tasks in one compiled program ({timing['device']}): "
+          f"{streams} streams × {summary['n_tasks']} tasks {where} ({timing['device']}): "
           f"{timing['wall']:.1f} s = setup {setup:.1f} s + first call (trace, compile, chunk 1) "
           f"{timing['first_call']:.1f} s + {timing['calls'] - 1} more chunks {timing['other_calls']:.1f} s + "
           f"record tables {timing['records']:.1f} s")  # fmt: skip

@@ -1,0 +1,91 @@
+"""Why `--workers` pins its processes: the JAX engine's round time alone and side by side, pinned
+to one core each or left to the OS (docs/decisions.md S7).
+
+Four processes of this checkout build the same network and mid-run state (benchmarks/ab_rounds.py's
+arm: one turn = `--chunks` chunks of `--rounds` rounds, timed with `block_until_ready`): two free
+to run on every core, two pinned to a core each from their start (`os.sched_setaffinity`, before
+JAX starts its threads). Each turn times four scenarios, in an order that rotates from turn to
+turn: one free process alone, one pinned process alone, both free processes at once, both pinned
+processes at once. Prints each scenario's median round time per process and its rounds per second
+summed over its processes, against one free process alone.
+
+    python benchmarks/pinning.py                      # 576 agents, 1 stream, 8 turns
+    python benchmarks/pinning.py --agents 6 --streams 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCENARIOS = {"one process, free": ["free0"], "one process, pinned": ["pin0"],
+             "two processes, free": ["free0", "free1"], "two processes, pinned (as --workers 2)": ["pin0", "pin1"]}  # fmt: skip
+
+
+def _pin(core: int):
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def _arm(args: argparse.Namespace, core: int | None) -> subprocess.Popen:
+    cmd = [sys.executable, str(HERE / "ab_rounds.py"), "--arm", "--agents", str(args.agents), "--streams",
+           str(args.streams), "--chunks", str(args.chunks), "--rounds", str(args.rounds), "--skip", str(args.skip)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), MESHHEAL_JAX_CACHE="off")
+    return subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=None if core is None else _pin(core))  # noqa: PLW1509 (no threads here yet)  # fmt: skip
+
+
+def _read(proc: subprocess.Popen, word: str) -> str:
+    for line in proc.stdout:
+        if line.startswith(word + " "):
+            return line[len(word) + 1 :].strip()
+    raise SystemExit(f"a process stopped before saying '{word}' (exit {proc.wait()})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=576)
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=32)
+    ap.add_argument("--skip", type=int, default=4)
+    args = ap.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"needs two cores, this process may use {len(cores)}")
+    procs = {"free0": _arm(args, None), "free1": _arm(args, None), "pin0": _arm(args, cores[0]),
+             "pin1": _arm(args, cores[1])}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in SCENARIOS}
+    try:
+        for proc in procs.values():
+            _read(proc, "ready")
+        names = list(SCENARIOS)
+        for turn in range(args.turns):
+            for name in names[turn % 4 :] + names[: turn % 4]:
+                members = [procs[m] for m in SCENARIOS[name]]
+                for proc in members:  # all start at once
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+                times[name].extend(float(_read(proc, "seconds")) for proc in members)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    base = statistics.median(times["one process, free"])
+    print(f"{args.agents} agents x {args.streams} stream(s) per process, {args.turns} turns of {args.chunks} x "
+          f"{args.rounds} rounds, {len(cores)} cores")  # fmt: skip
+    print("| scenario | round ms per process, median | rounds/s summed over processes | vs one free process |")
+    print("|---|---|---|---|")
+    for name, members in SCENARIOS.items():
+        per = statistics.median(times[name])
+        summed = len(members) / per
+        print(f"| {name} | {1e3 * per:.3f} | {summed:,.0f} | {summed * base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
