@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from meshheal_jax.workers import usable_cores
+
 HERE = Path(__file__).resolve().parent
 SCENARIOS = {"one process, free": ["free0"], "one process, pinned": ["pin0"],
              "two processes, free": ["free0", "free1"], "two processes, pinned (as --workers 2)": ["pin0", "pin1"]}  # fmt: skip
@@ -63,7 +65,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--skip", type=int, default=4)
     args = ap.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     if len(cores) < 2:
         raise SystemExit(f"needs two cores, this process may use {len(cores)}")
     procs = {"free0": _arm(args, None), "free1": _arm(args, None), "pin0": _arm(args, cores[0]),

@@ -40,6 +40,7 @@ from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import load_pair
 from meshheal_jax.streams import make_stream, persistent_schedule
 from meshheal_jax.topology import build_network, load_profile, replicate_holds
+from meshheal_jax.workers import usable_cores
 
 PROTOCOL = ProtocolParams()
 
@@ -188,12 +189,20 @@ def worker(args: argparse.Namespace) -> None:
         print(f"timed {seconds} {tasks}", flush=True)
 
 
+def _said(proc: subprocess.Popen, word: str) -> str:
+    """The rest of the worker's next stdout line that starts with `word` (other lines are skipped)."""
+    for line in proc.stdout:
+        if line.split(" ", 1)[0].strip() == word:
+            return line[len(word) :].strip()
+    raise SystemExit(f"a worker process stopped before saying '{word}' (exit {proc.wait()})")
+
+
 def workers_rate(n: int, width: int, workers: int, repeats: int) -> dict:
     """tasks/s summed over `workers` processes, each pinned to its own core (`os.sched_setaffinity`)
     and running width / workers streams of its own (distinct seeds), as `--workers` runs them
     (meshheal_jax.workers). Every pass starts in all processes at once, after each has compiled;
     a pass's rate is all its tasks over the slowest process's seconds (median of `repeats`)."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     if len(cores) < workers or width % workers:
         raise SystemExit(f"{workers} workers need {workers} cores (have {len(cores)}) and streams divisible by them")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(n), str(width // workers),
@@ -201,20 +210,17 @@ def workers_rate(n: int, width: int, workers: int, repeats: int) -> dict:
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for k in range(workers)]  # fmt: skip
     try:
         for proc in procs:
-            if proc.stdout.readline().strip() != "ready":
-                raise SystemExit(f"a worker process stopped before it was ready (exit {proc.wait()})")
+            _said(proc, "ready")
         passes = []
         for _ in range(repeats):
             for proc in procs:
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
-            timed = [proc.stdout.readline().split() for proc in procs]
-            passes.append((max(float(t[1]) for t in timed), sum(int(t[2]) for t in timed)))
+            timed = [_said(proc, "timed").split() for proc in procs]
+            passes.append((max(float(t[0]) for t in timed), sum(int(t[1]) for t in timed)))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.stdin.close()
-                proc.wait(timeout=60)
+            proc.kill()
     rates = [tasks / seconds for seconds, tasks in passes]
     return {"rate": statistics.median(rates), "tasks": passes[0][1]}
 
@@ -226,7 +232,7 @@ BATCH_CHUNK = {6: 256, 576: 32}
 def section_batch(widths, repeats: int, workers: int = 2, sizes=(6, 576)) -> None:
     """tasks/s against streams in one process, and (where the streams divide) split over `workers`
     processes pinned to their own cores."""
-    cores = len(os.sched_getaffinity(0))
+    cores = len(usable_cores())
     split = workers > 1 and cores >= workers
     for n in sizes:
         per_six = BATCH_PREFIX_PER_SIX[n]

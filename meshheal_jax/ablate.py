@@ -19,6 +19,7 @@ from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
 from meshheal_jax.config import VARIANTS
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.workers import check_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
 def run_all(name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool,
             workers: int = 1) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary."""
+    check_workers(workers)
     for exp in experiments.values():  # every configuration checked before anything runs
         exp.validate()
     out.mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,9 @@ class CommonFlags:
     quiet: bool = False
     """no progress bar"""
     workers: int = 1
-    """jax or reference engine, emulated backend: split the streams over this many processes, one per CPU
-    core (each compiles its own program: worth it when rounds, not compile, dominate: many streams, large
-    networks; records equal up to float rounding, docs/decisions.md S7)"""
+    """emulated backend: split MeshHeal's streams over this many processes, one per CPU core (each compiles
+    its own program: worth it when rounds, not compile, dominate: many streams, large networks; the same
+    records, floats up to the last bits; baselines stay in the main process; docs/decisions.md S7)"""
     backend: Literal["emulated", "live"] = "emulated"
     """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
     e.g. serving/vllm_pair.sh; every method, the baselines included)"""

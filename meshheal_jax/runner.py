@@ -37,7 +37,7 @@ from meshheal_jax.streams import (
     recovery_schedule,
 )
 from meshheal_jax.topology import Network, build_network, load_profile, replicate_holds
-from meshheal_jax.workers import map_pinned, split
+from meshheal_jax.workers import check_cpu_backend, check_workers, map_pinned, split
 
 TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
@@ -460,31 +460,31 @@ class Results:
     summary: dict
 
 
-def _jax_worker(exp: Experiment, streams: list[tuple[str, str, int]], run_dir: Path) -> None:
-    """One worker's share of a JAX batch (`run(..., workers=N)`): run it, write its streams' parts."""
-    for stream, frames in zip(streams, run_jax_streams(exp, streams)):
-        _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
-
-
-def _reference_worker(exp: Experiment, streams: list[tuple[str, str, int]], run_dir: Path) -> None:
-    """One worker's share of the reference engine's streams, each part written when it is done."""
-    for stream in streams:
-        _write_part(_part_dir(run_dir, "meshheal", *stream), run_one_stream(exp, *stream))
+def _worker(exp: Experiment, streams: list[tuple[str, str, int]], run_dir: Path) -> None:
+    """One worker's share of MeshHeal's streams (`run(..., workers=N)`), its parts written as it
+    goes: the JAX engine's when its batch is done, the reference engine's one by one."""
+    if exp.engine == "jax":
+        for stream, frames in zip(streams, run_jax_streams(exp, streams)):
+            _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
+    else:
+        for stream in streams:
+            _write_part(_part_dir(run_dir, "meshheal", *stream), run_one_stream(exp, *stream))
 
 
 def run(exp: Experiment, out: Path | None = None, progress: bool = True, workers: int = 1) -> Results:
     """Run (or resume) an experiment; append each finished stream to the run folder.
 
-    workers > 1 splits each of MeshHeal's JAX batches into that many groups of streams, each run in
-    its own process pinned to its own core (`meshheal_jax.workers`; docs/decisions.md S7): the same
-    records up to float rounding in the last bits. The reference engine's streams are split the same
-    way (identical records); the baselines and the live backend run in this process."""
+    workers > 1 splits MeshHeal's streams of each pair into that many groups, each run in its own
+    process pinned to its own core (`meshheal_jax.workers`; docs/decisions.md S7): the same records,
+    the JAX engine's float columns up to rounding in the last bits. The baselines run in this
+    process; the live backend refuses workers (it batches every stream's calls in one process)."""
     exp.validate()
-    if workers < 1:
-        raise MeshHealError(f"--workers must be >= 1, got {workers}")
+    check_workers(workers)
     if workers > 1 and exp.backend == "live":
-        raise MeshHealError("--workers splits the emulated JAX engine's streams over processes; the live "
+        raise MeshHealError("--workers splits the emulated engines' streams over processes; the live "
                             "backend batches every stream's calls in one process: use --workers 1")  # fmt: skip
+    if workers > 1 and exp.engine == "jax" and "meshheal" in exp.methods:
+        check_cpu_backend()
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
@@ -508,11 +508,14 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, workers
                     for stream, frames in zip(batch, run_live_streams(exp, batch, run_dir)):
                         keep(("meshheal", *stream), frames)
                         bar.advance(job)
-        elif exp.engine == "reference" and workers > 1 and len(mine) > 1:
-            groups = split(mine, workers)
-            bar.update(job, description=f"{exp.name}: meshheal, reference engine, {len(groups)} worker processes")
-            map_pinned(_reference_worker, [(exp, group, run_dir) for group in groups], "reference engine")
-            bar.advance(job, len(mine))
+        elif workers > 1 and len(mine) > 1:  # each worker writes its streams' parts; read back below
+            for pair in exp.pairs:  # (the JAX engine: one compiled program per pair and worker)
+                batch = [s for s in mine if s[1] == pair]
+                groups = split(batch, workers)
+                bar.update(job, description=f"{exp.name}: meshheal, {exp.engine} engine, pair={pair}, {len(batch)} "
+                                            f"streams in {len(groups)} worker processes")  # fmt: skip
+                map_pinned(_worker, [(exp, group, run_dir) for group in groups], f"pair={pair}")
+                bar.advance(job, len(batch))
         elif exp.engine == "reference":
             for dataset, pair, seed in mine:
                 bar.update(job, description=f"{exp.name}: meshheal {dataset} pair={pair} seed={seed}")
@@ -531,13 +534,6 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, workers
                     bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams, "
                                                 f"{done:,}/{total:,} tasks")  # fmt: skip
 
-                if workers > 1 and len(batch) > 1:  # each worker writes its streams' parts; read back below
-                    groups = split(batch, workers)
-                    bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} "
-                                                f"streams in {len(groups)} worker processes")  # fmt: skip
-                    map_pinned(_jax_worker, [(exp, group, run_dir) for group in groups], f"pair={pair}")
-                    bar.advance(job, len(batch))
-                    continue
                 for stream, frames in zip(batch, run_jax_streams(exp, batch, tick)):
                     keep(("meshheal", *stream), frames)
                     bar.advance(job)

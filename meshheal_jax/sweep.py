@@ -51,6 +51,7 @@ from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_tabl
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
+from meshheal_jax.workers import check_workers
 
 TRADEOFF_PNG = "tradeoff.png"
 MAPS_PNG = "grid_maps.png"
@@ -362,14 +363,16 @@ def _worker_batch(batch: Batch, streams: list[int], slots: int, chunk: int, tabl
 
 def run_split(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], workers: int,
               timings: dict) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
-    """run_batch with the streams split over `workers` processes, one per core; `timings` gets each
-    worker's seconds (the slowest worker's per key) and `workers`."""
-    from meshheal_jax.workers import map_pinned, split
+    """run_batch with the streams split over `workers` processes, one per core; `timings` gets the
+    slowest worker's seconds (the largest sum of its stages) and `workers`."""
+    from meshheal_jax.workers import check_cpu_backend, map_pinned, split
 
     groups = split(range(len(batch.specs)), workers)
+    if len(groups) > 1:
+        check_cpu_backend()
     done = map_pinned(_worker_batch, [(batch, g, slots, chunk, tables) for g in groups], "sweep streams")
-    for key in ("first_call", "other_calls", "records", "calls"):
-        timings[key] = max(t[key] for _, t in done)
+    stages = ("first_call", "other_calls", "records")
+    timings.update(max((t for _, t in done), key=lambda t: sum(t[k] for k in stages)))
     timings["workers"] = len(groups)
     return [frames for per_stream, _ in done for frames in per_stream]
 
@@ -684,8 +687,7 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
     sweep_config(batch, cfg.slots)
     if cfg.chunk < 1:
         raise MeshHealError(f"--chunk must be >= 1, got {cfg.chunk}")
-    if cfg.workers < 1:
-        raise MeshHealError(f"--workers must be >= 1, got {cfg.workers}")
+    check_workers(cfg.workers)
     params = stream_params(batch)
     check_effect(grid, batch, params)
     run_dir = prepare_out(cfg.out)
@@ -786,12 +788,14 @@ def write_report(run_dir: Path | str) -> Path:
     timing = summary.get("timing_s", {})
     axes = " × ".join(f"{k} ∈ {{{', '.join(map(_show, v))}}}" for k, v in summary["grid"].items())
     where = f" ({timing['device']}, {timing['wall']:.1f} s)." if timing else "."
+    programs = (f"one compiled program in each of {timing['workers']} worker processes" if timing.get("workers", 1) > 1
+                else "one compiled program")  # fmt: skip
     lines = [
         f"# MeshHeal parameter sweep ({run_dir.name})",
         "",
         (
             f"Grid: {axes} = {summary['n_points']} points; seeds {', '.join(map(str, summary['seeds']))}; "
-            f"{summary['n_agents']} agents; {summary['n_tasks']} tasks per stream; one compiled program{where}"
+            f"{summary['n_agents']} agents; {summary['n_tasks']} tasks per stream; {programs}{where}"
         ),
         "",
         (
