@@ -1,5 +1,5 @@
-"""Why `--workers` pins its processes: the JAX engine's round time alone and side by side, pinned
-to one core each or left to the OS (docs/decisions.md S7).
+"""How many cores one JAX engine process really uses: its round time alone and side by side,
+pinned to one core each or left to the OS (docs/decisions.md S7: why the engine runs lanes).
 
 Four processes of this checkout build the same network and mid-run state (benchmarks/ab_rounds.py's
 arm: one turn = `--chunks` chunks of `--rounds` rounds, timed with `block_until_ready`): two free
@@ -24,11 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from meshheal_jax.workers import usable_cores
-
 HERE = Path(__file__).resolve().parent
 SCENARIOS = {"one process, free": ["free0"], "one process, pinned": ["pin0"],
-             "two processes, free": ["free0", "free1"], "two processes, pinned (as --workers 2)": ["pin0", "pin1"]}  # fmt: skip
+             "two processes, free": ["free0", "free1"], "two processes, pinned": ["pin0", "pin1"]}  # fmt: skip
 
 
 def _pin(core: int):
@@ -65,7 +63,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--skip", type=int, default=4)
     args = ap.parse_args()
-    cores = usable_cores()
+    cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit(f"needs two cores, this process may use {len(cores)}")
     procs = {"free0": _arm(args, None), "free1": _arm(args, None), "pin0": _arm(args, cores[0]),

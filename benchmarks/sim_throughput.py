@@ -9,8 +9,8 @@ reference runs one task at a time (slots = 1) with its own emulator and records.
 Sections (each prints a markdown table):
   main   6 agents, complete graph, 3 datasets x seeds, full 504-task streams
   scale  96 and 576 agents, sparse graph, a prefix past the warm-up (slots 1 and N/6)
-  batch  tasks/s against the number of streams (6 and 576 agents), in one process and split
-         over --workers processes pinned to their own cores (as `--workers` runs experiments)
+  batch  tasks/s against the number of streams (6 and 576 agents), in one lane and in --lanes
+         lanes side by side (one thread each, as experiments run them by default)
   size   per-task cost against agents (sparse 6 .. 36,864; complete to 576), each size in its
          own process so its peak RSS is its own
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -40,7 +40,6 @@ from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import load_pair
 from meshheal_jax.streams import make_stream, persistent_schedule
 from meshheal_jax.topology import build_network, load_profile, replicate_holds
-from meshheal_jax.workers import usable_cores
 
 PROTOCOL = ProtocolParams()
 
@@ -173,76 +172,42 @@ def section_scale(sizes, seeds: int, prefix_per_six: int, repeats: int, slots_on
     return ratio
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One of `workers_rate`'s processes: pinned to its core, it builds and compiles its streams, says
-    'ready', then times one pass per 'go' line on stdin ('seconds tasks' on stdout)."""
-    n, streams, first_seed, core = args.worker
-    os.sched_setaffinity(0, {core})
-    once = timed_prefix(make_specs(n, n > 6, streams, first_seed=first_seed), max(n // 6, 1),
-                        BATCH_PREFIX_PER_SIX[n] * n // 6, BATCH_CHUNK[n])  # fmt: skip
-    once()  # compile + warm-up
-    print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
-        seconds, tasks = once()
-        print(f"timed {seconds} {tasks}", flush=True)
+def lanes_rate(n: int, width: int, lanes: int, repeats: int) -> dict:
+    """tasks/s summed over `width` streams run in `lanes` lanes side by side (engine.run_batch's
+    lanes: one thread each, one carry each, one compiled program), timed like `jax_rate`: every
+    pass starts all lanes at once and ends when the last is done (median of `repeats`)."""
+    groups = [make_specs(n, n > 6, len(g), first_seed=g[0]) for g in engine.lane_streams(width, lanes)]
+    if any(len(g) != len(groups[0]) for g in groups):
+        raise SystemExit(f"{width} streams do not split evenly into {lanes} lanes")
+    onces = [timed_prefix(g, max(n // 6, 1), BATCH_PREFIX_PER_SIX[n] * n // 6, BATCH_CHUNK[n]) for g in groups]
 
+    def one_pass(_=None) -> tuple[float, int]:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(onces)) as pool:
+            done = list(pool.map(lambda once: once(), onces))
+        return time.perf_counter() - start, sum(tasks for _, tasks in done)
 
-def _said(proc: subprocess.Popen, word: str) -> str:
-    """The rest of the worker's next stdout line that starts with `word` (other lines are skipped)."""
-    for line in proc.stdout:
-        if line.split(" ", 1)[0].strip() == word:
-            return line[len(word) :].strip()
-    raise SystemExit(f"a worker process stopped before saying '{word}' (exit {proc.wait()})")
-
-
-def workers_rate(n: int, width: int, workers: int, repeats: int) -> dict:
-    """tasks/s summed over `workers` processes, each pinned to its own core (`os.sched_setaffinity`)
-    and running width / workers streams of its own (distinct seeds), as `--workers` runs them
-    (meshheal_jax.workers). Every pass starts in all processes at once, after each has compiled;
-    a pass's rate is all its tasks over the slowest process's seconds (median of `repeats`)."""
-    cores = usable_cores()
-    if len(cores) < workers or width % workers:
-        raise SystemExit(f"{workers} workers need {workers} cores (have {len(cores)}) and streams divisible by them")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(n), str(width // workers),
-                               str(k * width // workers), str(cores[k])],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for k in range(workers)]  # fmt: skip
-    try:
-        for proc in procs:
-            _said(proc, "ready")
-        passes = []
-        for _ in range(repeats):
-            for proc in procs:
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            timed = [_said(proc, "timed").split() for proc in procs]
-            passes.append((max(float(t[0]) for t in timed), sum(int(t[1]) for t in timed)))
-    finally:
-        for proc in procs:
-            proc.kill()
-    rates = [tasks / seconds for seconds, tasks in passes]
-    return {"rate": statistics.median(rates), "tasks": passes[0][1]}
+    one_pass()  # compile (once: the lanes share the program) + warm-up, dropped
+    passes = [one_pass() for _ in range(repeats)]
+    return {"rate": statistics.median(tasks / seconds for seconds, tasks in passes), "tasks": passes[0][1]}
 
 
 BATCH_PREFIX_PER_SIX = {6: 504, 576: 40}
 BATCH_CHUNK = {6: 256, 576: 32}
 
 
-def section_batch(widths, repeats: int, workers: int = 2, sizes=(6, 576)) -> None:
-    """tasks/s against streams in one process, and (where the streams divide) split over `workers`
-    processes pinned to their own cores."""
-    cores = len(usable_cores())
-    split = workers > 1 and cores >= workers
+def section_batch(widths, repeats: int, lanes: int = 2, sizes=(6, 576)) -> None:
+    """tasks/s against streams in one lane (one vmapped batch), and (where the streams divide) in
+    `lanes` lanes side by side."""
     for n in sizes:
         per_six = BATCH_PREFIX_PER_SIX[n]
         print(f"\n### batch scaling: {n} agents ({'complete' if n == 6 else 'sparse'}), slots {max(n // 6, 1)}, "
               f"first {per_six * n // 6:,} tasks per stream\n"
-              f"| streams | tasks/s, one process | tasks/s, {workers} worker processes (one per core) |\n|---|---|---|")  # fmt: skip
+              f"| streams | tasks/s, one lane | tasks/s, {lanes} lanes |\n|---|---|---|")  # fmt: skip
         for width in widths:
             specs = make_specs(n, n > 6, width)
             r = jax_rate(specs, max(n // 6, 1), per_six * n // 6, BATCH_CHUNK[n], repeats)
-            w = workers_rate(n, width, workers, repeats)["rate"] if split and width % workers == 0 else None
+            w = lanes_rate(n, width, lanes, repeats)["rate"] if lanes > 1 and width % lanes == 0 else None
             print(f"| {width} | {r['rate']:,.0f} | {'—' if w is None else f'{w:,.0f}'} |")
 
 
@@ -274,18 +239,14 @@ def main() -> None:
     ap.add_argument("--sections", nargs="*", default=["main", "scale", "batch", "size"])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--workers", type=int, default=2, help="batch: also split each width over this many pinned processes")
+    ap.add_argument("--lanes", type=int, default=2, help="batch: also run each width in this many lanes side by side")
     ap.add_argument("--widths", type=int, nargs="*", default=[1, 2, 4, 16, 64, 256], help="batch: numbers of streams")
     ap.add_argument("--batch-agents", type=int, nargs="*", default=[6, 576], choices=[6, 576], help="batch: network sizes")
     ap.add_argument("--one-size", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--worker", type=int, nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--sparse", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--complete", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prefix-per-six", type=int, default=40, help="tasks per six agents in the scale/size prefix")
     args = ap.parse_args()
-    if args.worker:
-        worker(args)
-        return
     if args.one_size:
         print(json.dumps(one_size(args.one_size, args.sparse, args.prefix_per_six)))
         return
@@ -300,7 +261,7 @@ def main() -> None:
     if "scale" in args.sections:
         ratio = section_scale([96, 576], args.seeds, args.prefix_per_six, args.repeats)
     if "batch" in args.sections:
-        section_batch(args.widths, max(1, args.repeats // 2), args.workers, args.batch_agents)
+        section_batch(args.widths, max(1, args.repeats // 2), args.lanes, args.batch_agents)
     if "size" in args.sections:
         section_size([(6, False), (96, True), (576, True), (576, False), (2304, True), (9216, True), (36864, True)],
                      args.prefix_per_six)  # fmt: skip

@@ -19,7 +19,6 @@ from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
 from meshheal_jax.config import VARIANTS
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.workers import check_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +55,16 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
 
 
 def run_all(name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool,
-            workers: int = 1) -> dict:
+            lanes: int | None = None) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary."""
-    check_workers(workers)
+    if lanes is not None and lanes < 1:
+        raise MeshHealError(f"--lanes must be >= 1, got {lanes}")
     for exp in experiments.values():  # every configuration checked before anything runs
         exp.validate()
     out.mkdir(parents=True, exist_ok=True)
     entries, first = [], None
     for key, exp in experiments.items():
-        results = runner.run(exp, out / key, progress=progress, workers=workers)
+        results = runner.run(exp, out / key, progress=progress, lanes=lanes)
         first = first or results.summary
         for r in results.summary["results"]:
             if r.get("method", "meshheal") != "meshheal":
@@ -160,7 +160,7 @@ def body(cfg: AblateConfig) -> None:
     check_names(tuple(cfg.variants), VARIANTS, "variants")
     out = combined_out("ablate", cfg.out)
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
-    summary = run_all("ablate", experiments, out, progress=not cfg.quiet, workers=cfg.workers)
+    summary = run_all("ablate", experiments, out, progress=not cfg.quiet, lanes=cfg.lanes)
     print_summary(summary)
     print(f"results: {out}")
 

@@ -38,10 +38,10 @@ class CommonFlags:
     protocol: ProtocolParams = ProtocolParams()  # noqa: RUF009 (frozen: a shared default is safe)
     quiet: bool = False
     """no progress bar"""
-    workers: int = 1
-    """emulated backend: split MeshHeal's streams over this many processes, one per CPU core (each compiles
-    its own program: worth it when rounds, not compile, dominate: many streams, large networks; the same
-    records, floats up to the last bits; baselines stay in the main process; docs/decisions.md S7)"""
+    lanes: int | None = None
+    """jax engine: run MeshHeal's streams in this many lanes side by side, one thread each sharing one
+    compiled program (default: one per CPU core; 1 = one batch; the same records, floats up to the last
+    bits; docs/decisions.md S7)"""
     backend: Literal["emulated", "live"] = "emulated"
     """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
     e.g. serving/vllm_pair.sh; every method, the baselines included)"""

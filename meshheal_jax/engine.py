@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -1500,49 +1504,108 @@ def pad_streams(items: list, mesh: jax.sharding.Mesh | None) -> list:
     return items if mesh is None else list(items) + [items[-1]] * (-len(items) % mesh.size)
 
 
+def default_lanes(n_streams: int, mesh: jax.sharding.Mesh | None = None) -> int:
+    """Lanes for a batch (`run_batch`): on one CPU device, one per CPU core this process may use
+    (at most one per stream); with a mesh or on an accelerator, 1 (docs/decisions.md S7)."""
+    if mesh is not None or jax.default_backend() != "cpu" or jax.device_count() > 1:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, n_streams))
+
+
+def lane_streams(n_streams: int, lanes: int) -> list[list[int]]:
+    """Stream indices of each lane: contiguous groups of near-equal size (the first ones one
+    longer), the shorter ones padded with a copy of their last stream so every lane has the same
+    shapes (one compiled program); a copy's records are dropped."""
+    lanes = max(1, min(lanes, n_streams))
+    width = -(-n_streams // lanes)
+    groups, start = [], 0
+    for k in range(lanes):
+        stop = start + n_streams // lanes + (k < n_streams % lanes)
+        groups.append(list(range(start, stop)) + [stop - 1] * (width - (stop - start)))
+        start = stop
+    return groups
+
+
+def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool, chunk: int,
+              tables: tuple[str, ...] = TABLES, lanes: int = 1, mesh: jax.sharding.Mesh | None = None,
+              on_progress=None, timings: dict | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+    """The host loop: the streams' rounds, `chunk` per compiled call, until every stream is done;
+    per stream the record tables named in `tables`.
+
+    params: one Params for every stream, or (batched) a list with one per stream. The streams are
+    split into `lanes` groups of equal width (`lane_streams`) run side by side, each by its own
+    thread with its own carry: XLA's CPU runtime runs one program's kernels one after another, so
+    one lane keeps one core busy, and lanes of the same shapes share one compiled program
+    (decisions S7). With a mesh (several devices) use one lane; its streams are padded to the mesh
+    and sharded over it. `on_progress(done, total)` is called with the tasks done in all lanes;
+    `timings`, when given, receives the slowest lane's seconds: first_call (trace, compile, chunk
+    1), other_calls (the other chunks), records (arrays -> record tables) and calls (count)."""
+    k_max = max(s.network.neighbour_table.shape[1] for s in specs)  # one shape for every lane
+    groups = lane_streams(len(specs), lanes)
+    done_tasks = [0] * len(groups)
+    lock = threading.Lock()
+
+    def lane(k: int, members: list[int]):
+        real = len(dict.fromkeys(members))  # the padding repeats the last member
+        members = pad_streams(members, mesh)
+        p = shard_streams(stack([params[m] for m in members]), mesh) if batched else params
+        world = shard_streams(stack([make_world(specs[m].network, specs[m].stream, specs[m].schedule, k_max)
+                                     for m in members]), mesh)  # fmt: skip
+        carry = shard_streams(initial_carries(cfg, world), mesh)
+        kept: list[list[dict]] = [[] for _ in range(real)]
+        clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
+        while not done(cfg, carry).all():
+            start = time.perf_counter()
+            carry, records = run_rounds(cfg, p, world, carry, chunk, batched)
+            records = jax.block_until_ready(records)
+            clock["first_call" if clock["calls"] == 0 else "other_calls"] += time.perf_counter() - start
+            clock["calls"] += 1
+            start = time.perf_counter()
+            records = host_records(cfg, records)
+            for s in range(real):
+                kept[s].append(record_frames(specs[members[s]], at(records, s), tables))
+            clock["records"] += time.perf_counter() - start
+            if on_progress is not None:
+                with lock:
+                    done_tasks[k] = int(np.minimum(np.asarray(carry.next_t)[:real] - 1, cfg.n_tasks).sum())
+                    on_progress(sum(done_tasks), cfg.n_tasks * len(specs))
+        return [stream_tables(parts, tables) for parts in kept], clock
+
+    if len(groups) == 1:
+        finished = [lane(0, groups[0])]
+    else:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="meshheal-lane") as pool:
+            finished = list(pool.map(lane, range(len(groups)), groups))
+    if timings is not None:
+        stages = ("first_call", "other_calls", "records")
+        timings.update(max((c for _, c in finished), key=lambda c: sum(c[k] for k in stages)), lanes=len(groups))
+    return [frames for per_stream, _ in finished for frames in per_stream]
+
+
 def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int | None = None,
-                tables: tuple[str, ...] = TABLES, on_chunk=None, on_progress=None,
-                shard: bool | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
-    """Run streams of one shape as one vmapped program, `chunk` rounds per compiled call (default:
-    `default_chunk`).
+                tables: tuple[str, ...] = TABLES, on_progress=None, shard: bool | None = None,
+                lanes: int | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+    """Run streams of one shape, `chunk` rounds per compiled call (default: `default_chunk` of a
+    lane's width), in `lanes` lanes side by side (default: `default_lanes`, one per CPU core).
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
-    `on_chunk(k, frames_per_stream)`, when given, receives each chunk's records as they are made
-    (for appending to a run folder); the returned frames are then empty. With several devices
-    (`stream_mesh(shard)`), the streams are sharded over them; when their number is not a multiple
-    of the devices, the last stream is repeated to fill the mesh and its copies are dropped."""
+    With several devices (`stream_mesh(shard)`), the streams are sharded over them in one lane;
+    when their number is not a multiple of the devices, the last stream is repeated to fill the
+    mesh and its copies are dropped."""
     cfg = engine_config(specs, protocol, slots)
-    n_real = len(specs)
-    chunk = default_chunk(slots, n_real) if chunk is None else chunk
     mesh = stream_mesh(shard)
-    specs = pad_streams(specs, mesh)
-    first = specs[0]
+    lanes = default_lanes(len(specs), mesh) if lanes is None else lanes
+    if lanes < 1 or (mesh is not None and lanes > 1):
+        raise MeshHealError(f"lanes must be >= 1 (1 with several devices), got {lanes}")
+    width = len(lane_streams(len(specs), lanes)[0])
+    chunk = default_chunk(slots, width) if chunk is None else chunk
     batched = params_per_stream(specs)
     if batched:
-        params = shard_streams(stack([make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]),
-                               mesh)  # fmt: skip
+        params = [make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]
     else:
-        params = make_params(protocol, first.pair, first.network.profile, cfg.n_agents)
-    k_max = max(s.network.neighbour_table.shape[1] for s in specs)
-    worlds = shard_streams(stack([make_world(s.network, s.stream, s.schedule, k_max) for s in specs]), mesh)
-    carry = shard_streams(initial_carries(cfg, worlds), mesh)
-    specs = specs[:n_real]
-    kept: list[list[dict]] = [[] for _ in specs]
-    k = 0
-    while not done(cfg, carry).all():
-        carry, records = run_rounds(cfg, params, worlds, carry, chunk, batched)
-        records = host_records(cfg, records)
-        frames = [record_frames(spec, at(records, s), tables) for s, spec in enumerate(specs)]
-        if on_progress is not None:
-            next_t = np.asarray(carry.next_t)[:n_real]
-            on_progress(int(np.minimum(next_t - 1, cfg.n_tasks).sum()), cfg.n_tasks * n_real)
-        if on_chunk is not None:
-            on_chunk(k, frames)
-        else:
-            for s in range(len(specs)):
-                kept[s].append(frames[s])
-        k += 1
-    return [stream_tables(parts, tables) for parts in kept]
+        params = make_params(protocol, specs[0].pair, specs[0].network.profile, cfg.n_agents)
+    return run_batch(cfg, specs, params, batched, chunk, tables, lanes, mesh, on_progress)
 
 
 def _empty(table: str) -> pl.DataFrame:

@@ -131,7 +131,7 @@ def print_summary(summary: dict) -> None:
 
 
 def body(cfg: MainConfig) -> None:
-    results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, workers=cfg.workers)
+    results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, lanes=cfg.lanes)
     print_summary(results.summary)
     path = report.write_report(results.run_dir)
     print(f"results: {results.run_dir}")

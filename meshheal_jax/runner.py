@@ -37,7 +37,6 @@ from meshheal_jax.streams import (
     recovery_schedule,
 )
 from meshheal_jax.topology import Network, build_network, load_profile, replicate_holds
-from meshheal_jax.workers import check_cpu_backend, check_workers, map_pinned, split
 
 TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
@@ -361,9 +360,10 @@ def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> 
 
 
 def run_jax_streams(
-    exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None
+    exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None, lanes: int | None = None
 ) -> list[dict[str, pl.DataFrame]]:
-    """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program."""
+    """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program,
+    in `lanes` lanes side by side (engine.run_streams; default one per CPU core)."""
     from meshheal_jax import engine  # imported here: the reference path needs no compilation
 
     specs = []
@@ -371,7 +371,7 @@ def run_jax_streams(
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
     return engine.run_streams(
-        specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress
+        specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress, lanes=lanes
     )
 
 
@@ -460,31 +460,13 @@ class Results:
     summary: dict
 
 
-def _worker(exp: Experiment, streams: list[tuple[str, str, int]], run_dir: Path) -> None:
-    """One worker's share of MeshHeal's streams (`run(..., workers=N)`), its parts written as it
-    goes: the JAX engine's when its batch is done, the reference engine's one by one."""
-    if exp.engine == "jax":
-        for stream, frames in zip(streams, run_jax_streams(exp, streams)):
-            _write_part(_part_dir(run_dir, "meshheal", *stream), frames)
-    else:
-        for stream in streams:
-            _write_part(_part_dir(run_dir, "meshheal", *stream), run_one_stream(exp, *stream))
-
-
-def run(exp: Experiment, out: Path | None = None, progress: bool = True, workers: int = 1) -> Results:
-    """Run (or resume) an experiment; append each finished stream to the run folder.
-
-    workers > 1 splits MeshHeal's streams of each pair into that many groups, each run in its own
-    process pinned to its own core (`meshheal_jax.workers`; docs/decisions.md S7): the same records,
-    the JAX engine's float columns up to rounding in the last bits. The baselines run in this
-    process; the live backend refuses workers (it batches every stream's calls in one process)."""
+def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: int | None = None) -> Results:
+    """Run (or resume) an experiment; append each finished stream to the run folder. `lanes`: the
+    JAX engine's MeshHeal streams of a pair run in that many lanes side by side, one thread each
+    (default: one per CPU core; docs/decisions.md S7); the same records, floats up to the last bits."""
     exp.validate()
-    check_workers(workers)
-    if workers > 1 and exp.backend == "live":
-        raise MeshHealError("--workers splits the emulated engines' streams over processes; the live "
-                            "backend batches every stream's calls in one process: use --workers 1")  # fmt: skip
-    if workers > 1 and exp.engine == "jax" and "meshheal" in exp.methods:
-        check_cpu_backend()
+    if lanes is not None and lanes < 1:
+        raise MeshHealError(f"--lanes must be >= 1, got {lanes}")
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
@@ -508,14 +490,6 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, workers
                     for stream, frames in zip(batch, run_live_streams(exp, batch, run_dir)):
                         keep(("meshheal", *stream), frames)
                         bar.advance(job)
-        elif workers > 1 and len(mine) > 1:  # each worker writes its streams' parts; read back below
-            for pair in exp.pairs:  # (the JAX engine: one compiled program per pair and worker)
-                batch = [s for s in mine if s[1] == pair]
-                groups = split(batch, workers)
-                bar.update(job, description=f"{exp.name}: meshheal, {exp.engine} engine, pair={pair}, {len(batch)} "
-                                            f"streams in {len(groups)} worker processes")  # fmt: skip
-                map_pinned(_worker, [(exp, group, run_dir) for group in groups], f"pair={pair}")
-                bar.advance(job, len(batch))
         elif exp.engine == "reference":
             for dataset, pair, seed in mine:
                 bar.update(job, description=f"{exp.name}: meshheal {dataset} pair={pair} seed={seed}")
@@ -534,7 +508,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, workers
                     bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams, "
                                                 f"{done:,}/{total:,} tasks")  # fmt: skip
 
-                for stream, frames in zip(batch, run_jax_streams(exp, batch, tick)):
+                for stream, frames in zip(batch, run_jax_streams(exp, batch, tick, lanes)):
                     keep(("meshheal", *stream), frames)
                     bar.advance(job)
         for method in exp.baselines():  # one compiled program per method (and pair)

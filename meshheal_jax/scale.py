@@ -97,7 +97,7 @@ def body(cfg: ScaleConfig) -> None:
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
         start = time.perf_counter()
-        run = runner.run(exp, out / topology, progress=not cfg.quiet, workers=cfg.workers)
+        run = runner.run(exp, out / topology, progress=not cfg.quiet, lanes=cfg.lanes)
         wall = time.perf_counter() - start
         engine, slots = run.summary["engine"], run.summary["slots"]
         for r in run.summary["results"]:

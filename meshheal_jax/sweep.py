@@ -1,5 +1,4 @@
-"""`python -m meshheal_jax.sweep`: a protocol (or emulator) parameter grid in one compiled program
-(or one per worker process with `--workers N`).
+"""`python -m meshheal_jax.sweep`: a protocol (or emulator) parameter grid in one compiled program.
 
 Every swept parameter takes a list; the cartesian grid x datasets x seeds becomes one batch of
 streams whose parameter pytree (`engine.Params`) is stacked with a leading stream axis and run by
@@ -51,7 +50,6 @@ from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_tabl
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
-from meshheal_jax.workers import check_workers
 
 TRADEOFF_PNG = "tradeoff.png"
 MAPS_PNG = "grid_maps.png"
@@ -314,67 +312,19 @@ def stream_params(batch: Batch) -> list:
 
 
 def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_progress=None,
-              params: list | None = None, timings: dict | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
-    """engine.run_streams' host loop with a stacked (per-stream) parameter pytree. `timings`, when
-    given, receives seconds: first_call (trace + compile + the first chunk), other_calls (the
-    remaining chunks, device only), records (host: arrays -> record tables), and calls (count)."""
-    import jax
-
+              params: list | None = None, timings: dict | None = None,
+              lanes: int | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+    """engine.run_batch with one parameter pytree per stream, in `lanes` lanes side by side (default:
+    one per CPU core). `timings`, when given, receives the slowest lane's seconds: first_call
+    (trace + compile + the first chunk), other_calls (the remaining chunks), records (host: arrays
+    -> record tables), calls (count) and lanes."""
     from meshheal_jax import engine
 
     cfg = sweep_config(batch, slots)
     params = stream_params(batch) if params is None else params
-    mesh = engine.stream_mesh()  # several devices: streams sharded over them (padded, as engine.run_streams)
-    specs, params = engine.pad_streams(list(batch.specs), mesh), engine.pad_streams(list(params), mesh)
-    k_max = max(s.network.neighbour_table.shape[1] for s in specs)
-    worlds = engine.shard_streams(engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max)
-                                                for s in specs]), mesh)  # fmt: skip
-    stacked = engine.shard_streams(engine.stack(params), mesh)
-    carry = engine.shard_streams(engine.initial_carries(cfg, worlds), mesh)
-    kept: list[list[dict]] = [[] for _ in batch.specs]
-    clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
-    while not engine.done(cfg, carry).all():
-        start = time.perf_counter()
-        carry, records = engine.run_rounds(cfg, stacked, worlds, carry, chunk, True)
-        records = jax.block_until_ready(records)
-        clock["first_call" if clock["calls"] == 0 else "other_calls"] += time.perf_counter() - start
-        clock["calls"] += 1
-        start = time.perf_counter()
-        records = engine.host_records(cfg, records)
-        for s, spec in enumerate(batch.specs):
-            kept[s].append(engine.record_frames(spec, engine.at(records, s), tables))
-        clock["records"] += time.perf_counter() - start
-        if on_progress is not None:
-            on_progress(
-                int(np.minimum(np.asarray(carry.next_t)[: len(batch.specs)] - 1, cfg.n_tasks).sum()),
-                cfg.n_tasks * len(batch.specs),
-            )
-    if timings is not None:
-        timings.update(clock)
-    return [engine.stream_tables(parts, tables) for parts in kept]
-
-
-def _worker_batch(batch: Batch, streams: list[int], slots: int, chunk: int, tables: tuple[str, ...]):
-    """One worker's streams of the batch (`--workers N`, meshheal_jax.workers): its frames, its timings."""
-    part = Batch(batch.points, [batch.specs[s] for s in streams], [batch.point_of[s] for s in streams])
-    timings: dict = {}
-    return run_batch(part, slots, chunk, tables, timings=timings), timings
-
-
-def run_split(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], workers: int,
-              timings: dict) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
-    """run_batch with the streams split over `workers` processes, one per core; `timings` gets the
-    slowest worker's seconds (the largest sum of its stages) and `workers`."""
-    from meshheal_jax.workers import check_cpu_backend, map_pinned, split
-
-    groups = split(range(len(batch.specs)), workers)
-    if len(groups) > 1:
-        check_cpu_backend()
-    done = map_pinned(_worker_batch, [(batch, g, slots, chunk, tables) for g in groups], "sweep streams")
-    stages = ("first_call", "other_calls", "records")
-    timings.update(max((t for _, t in done), key=lambda t: sum(t[k] for k in stages)))
-    timings["workers"] = len(groups)
-    return [frames for per_stream, _ in done for frames in per_stream]
+    mesh = engine.stream_mesh()  # several devices: streams sharded over them (one lane)
+    lanes = engine.default_lanes(len(batch.specs), mesh) if lanes is None else lanes
+    return engine.run_batch(cfg, list(batch.specs), params, True, chunk, tables, lanes, mesh, on_progress, timings)
 
 
 def label_frames(batch: Batch, grid: dict[str, tuple], per_stream: list[dict[str, pl.DataFrame]],
@@ -687,7 +637,8 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
     sweep_config(batch, cfg.slots)
     if cfg.chunk < 1:
         raise MeshHealError(f"--chunk must be >= 1, got {cfg.chunk}")
-    check_workers(cfg.workers)
+    if cfg.lanes is not None and cfg.lanes < 1:
+        raise MeshHealError(f"--lanes must be >= 1, got {cfg.lanes}")
     params = stream_params(batch)
     check_effect(grid, batch, params)
     run_dir = prepare_out(cfg.out)
@@ -708,12 +659,7 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
             bar.update(job, total=total, completed=done)
 
         timings: dict = {}
-        if cfg.workers > 1 and len(batch.specs) > 1:
-            bar.update(job, description=f"sweep: {len(points)} grid points, {len(batch.specs)} streams, "
-                                        f"{min(cfg.workers, len(batch.specs))} worker processes")  # fmt: skip
-            per_stream = run_split(batch, cfg.slots, cfg.chunk, exp.tables, cfg.workers, timings)
-        else:
-            per_stream = run_batch(batch, cfg.slots, cfg.chunk, exp.tables, tick, params, timings)
+        per_stream = run_batch(batch, cfg.slots, cfg.chunk, exp.tables, tick, params, timings, cfg.lanes)
     wall = time.perf_counter() - start
     frames = label_frames(batch, grid, per_stream, exp.tables)
     for name, df in frames.items():
@@ -788,8 +734,8 @@ def write_report(run_dir: Path | str) -> Path:
     timing = summary.get("timing_s", {})
     axes = " × ".join(f"{k} ∈ {{{', '.join(map(_show, v))}}}" for k, v in summary["grid"].items())
     where = f" ({timing['device']}, {timing['wall']:.1f} s)." if timing else "."
-    programs = (f"one compiled program in each of {timing['workers']} worker processes" if timing.get("workers", 1) > 1
-                else "one compiled program")  # fmt: skip
+    lanes = timing.get("lanes", 1)
+    programs = f"one compiled program, {lanes} lanes side by side" if lanes > 1 else "one compiled program"
     lines = [
         f"# MeshHeal parameter sweep ({run_dir.name})",
         "",
@@ -832,9 +778,9 @@ def body(cfg: SweepConfig) -> None:
     summary, timing = result.summary, result.summary["timing_s"]
     streams = len(summary["seeds"]) * len(cfg.datasets) * summary["n_points"]
     setup = timing["wall"] - timing["first_call"] - timing["other_calls"] - timing["records"]
-    split = timing.get("workers", 1)
-    where = (f"in {split} worker processes, one compiled program each (the slowest worker's seconds per stage; "
-             f"setup includes starting them)" if split > 1 else "in one compiled program")  # fmt: skip
+    lanes = timing.get("lanes", 1)
+    where = (f"in one compiled program, {lanes} lanes side by side (the slowest lane's seconds per stage)"
+             if lanes > 1 else "in one compiled program")  # fmt: skip
     print(f"{summary['n_points']} grid points × {len(cfg.datasets)} dataset(s) × {len(summary['seeds'])} seeds = "
           f"{streams} streams × {summary['n_tasks']} tasks {where} ({timing['device']}): "
           f"{timing['wall']:.1f} s = setup {setup:.1f} s + first call (trace, compile, chunk 1) "
