@@ -1544,7 +1544,7 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)  # one shape for every lane
     groups = lane_streams(len(specs), lanes)
     done_tasks = [0] * len(groups)
-    lock = threading.Lock()
+    lock, stop = threading.Lock(), threading.Event()  # stop: another lane failed or the caller was interrupted
 
     def lane(k: int, members: list[int]):
         real = len(dict.fromkeys(members))  # the padding repeats the last member
@@ -1556,6 +1556,8 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         kept: list[list[dict]] = [[] for _ in range(real)]
         clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
         while not done(cfg, carry).all():
+            if stop.is_set():
+                return None
             start = time.perf_counter()
             carry, records = run_rounds(cfg, p, world, carry, chunk, batched)
             records = jax.block_until_ready(records)
@@ -1576,7 +1578,12 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         finished = [lane(0, groups[0])]
     else:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="meshheal-lane") as pool:
-            finished = list(pool.map(lane, range(len(groups)), groups))
+            futures = [pool.submit(lane, k, members) for k, members in enumerate(groups)]
+            try:
+                finished = [future.result() for future in futures]
+            except BaseException:  # (Ctrl-C included) the other lanes stop at their next chunk
+                stop.set()
+                raise
     if timings is not None:
         stages = ("first_call", "other_calls", "records")
         timings.update(max((c for _, c in finished), key=lambda c: sum(c[k] for k in stages)), lanes=len(groups))

@@ -116,3 +116,21 @@ def test_batch_benchmark_runs_lanes():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 1 and float(rows[0][2].replace(",", "")) > 0 and float(rows[0][3].replace(",", "")) > 0
+
+
+def test_a_failing_lane_stops_the_others_and_raises():
+    exp = runner.Experiment(name="main", datasets=("bbh",), pairs=("default",), seeds=(0, 1), n_tasks=504)
+    specs = _specs(exp)
+    cfg = engine.engine_config(specs, exp.protocol, 1)
+    params = engine.make_params(exp.protocol, specs[0].pair, specs[0].network.profile, cfg.n_agents)
+    calls = []
+
+    def progress(*_):
+        calls.append(threading.current_thread().name)
+        if threading.current_thread().name.endswith("_1"):
+            raise RuntimeError("lane 2 broke")
+
+    with pytest.raises(RuntimeError, match="lane 2 broke"):
+        engine.run_batch(cfg, specs, params, False, 64, engine.TABLES, 2, on_progress=progress)
+    # the first lane stopped at a chunk boundary instead of running its ~45 chunks to the end
+    assert sum(name.endswith("_0") for name in calls) < 40
