@@ -57,7 +57,8 @@ def _specs(exp: runner.Experiment) -> list[engine.StreamSpec]:
 
 def test_lanes_give_the_one_lane_records():
     """Five streams with params per stream (two datasets): lanes of 3 and 2 (+ a padding copy)
-    and of 2, 2, 1 (+ copies) against one batch; the lanes really run on their own threads."""
+    and of 2, 2, 1 (+ copies) against one batch; the lanes run on their own threads, on one
+    program traced once."""
     exp = runner.Experiment(name="main", datasets=("bbh", "math"), pairs=("default",), seeds=(0, 1, 2), n_tasks=84)
     specs = _specs(exp)[:5]
     one = engine.run_streams(specs, exp.protocol, lanes=1)
@@ -66,10 +67,12 @@ def test_lanes_give_the_one_lane_records():
         threads = set()
         cfg = engine.engine_config(specs, exp.protocol, 1)
         params = [engine.make_params(exp.protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]
+        traces = engine.TRACES["run_rounds"]
         split = engine.run_batch(cfg, specs, params, True, 512, engine.TABLES, lanes, timings=timings,
                                  on_progress=lambda *_, seen=threads: seen.add(threading.current_thread().name))  # fmt: skip
         assert timings["lanes"] == lanes and timings["calls"] >= 1
         assert len(threads) == lanes and threading.current_thread().name not in threads
+        assert engine.TRACES["run_rounds"] == traces + 1  # the lanes, called cold together, traced it once
         assert len(split) == len(specs)
         for a, b, spec in zip(one, split, specs, strict=True):
             _assert_same_records(a, b)
