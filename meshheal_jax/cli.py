@@ -40,8 +40,8 @@ class CommonFlags:
     """no progress bar"""
     lanes: int | None = None
     """jax engine: run MeshHeal's streams in this many lanes side by side, one thread each sharing one
-    compiled program (default: one per CPU core; 1 = one batch; the same records, floats up to the last
-    bits; docs/decisions.md S7)"""
+    compiled program (default: one per CPU core on one CPU device, else 1; 1 = one batch; more than 1 is
+    refused with several devices; the same records, floats up to the last bits; docs/decisions.md S7)"""
     backend: Literal["emulated", "live"] = "emulated"
     """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
     e.g. serving/vllm_pair.sh; every method, the baselines included)"""

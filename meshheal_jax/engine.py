@@ -1494,7 +1494,8 @@ def shard_streams(tree, mesh: jax.sharding.Mesh | None):
 
 def default_chunk(slots: int, n_streams: int) -> int:
     """Rounds per compiled call: 512, fewer for wide batches so one call's records (~1 KB per slot
-    and round, gathered to the host after the call) stay near 256 MB."""
+    and round, gathered to the host after the call) stay near 256 MB. Sized per lane (n_streams =
+    a lane's width): lanes side by side hold that much each."""
     return int(min(512, max(8, 2**18 // max(slots * n_streams, 1))))
 
 
@@ -1541,12 +1542,21 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     and sharded over it. `on_progress(done, total)` is called with the tasks done in all lanes;
     `timings`, when given, receives the slowest lane's seconds: first_call (trace, compile, chunk
     1), other_calls (the other chunks), records (arrays -> record tables) and calls (count)."""
+    if lanes < 1 or (mesh is not None and lanes > 1):
+        raise MeshHealError(f"lanes must be >= 1, and 1 when the streams are sharded over several devices; got {lanes}")
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)  # one shape for every lane
     groups = lane_streams(len(specs), lanes)
     done_tasks = [0] * len(groups)
     lock, stop = threading.Lock(), threading.Event()  # stop: another lane failed or the caller was interrupted
 
     def lane(k: int, members: list[int]):
+        try:
+            return run_lane(k, members)
+        except BaseException:
+            stop.set()  # the other lanes stop at their next chunk
+            raise
+
+    def run_lane(k: int, members: list[int]):
         real = len(dict.fromkeys(members))  # the padding repeats the last member
         members = pad_streams(members, mesh)
         p = shard_streams(stack([params[m] for m in members]), mesh) if batched else params
@@ -1578,10 +1588,10 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         finished = [lane(0, groups[0])]
     else:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="meshheal-lane") as pool:
-            futures = [pool.submit(lane, k, members) for k, members in enumerate(groups)]
             try:
+                futures = [pool.submit(lane, k, members) for k, members in enumerate(groups)]
                 finished = [future.result() for future in futures]
-            except BaseException:  # (Ctrl-C included) the other lanes stop at their next chunk
+            except BaseException:  # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
                 stop.set()
                 raise
     if timings is not None:
@@ -1603,8 +1613,6 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     cfg = engine_config(specs, protocol, slots)
     mesh = stream_mesh(shard)
     lanes = default_lanes(len(specs), mesh) if lanes is None else lanes
-    if lanes < 1 or (mesh is not None and lanes > 1):
-        raise MeshHealError(f"lanes must be >= 1 (1 with several devices), got {lanes}")
     width = len(lane_streams(len(specs), lanes)[0])
     chunk = default_chunk(slots, width) if chunk is None else chunk
     batched = params_per_stream(specs)

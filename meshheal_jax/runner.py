@@ -467,6 +467,12 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     exp.validate()
     if lanes is not None and lanes < 1:
         raise MeshHealError(f"--lanes must be >= 1, got {lanes}")
+    if lanes is not None and lanes > 1 and exp.engine == "jax" and "meshheal" in exp.methods:
+        from meshheal_jax import engine
+
+        if engine.stream_mesh() is not None:
+            raise MeshHealError("--lanes > 1 runs on one CPU device; with several devices the streams shard "
+                                "over them in one lane (docs/decisions.md S6): use --lanes 1")  # fmt: skip
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
