@@ -181,10 +181,10 @@ def lanes_rate(n: int, width: int, lanes: int, repeats: int) -> dict:
         raise SystemExit(f"{width} streams do not split evenly into {lanes} lanes")
     onces = [timed_prefix(g, max(n // 6, 1), BATCH_PREFIX_PER_SIX[n] * n // 6, BATCH_CHUNK[n]) for g in groups]
 
-    def one_pass(_=None) -> tuple[float, int]:
+    def one_pass() -> tuple[float, int]:
         start = time.perf_counter()
         with ThreadPoolExecutor(len(onces)) as pool:
-            done = list(pool.map(lambda once: once(), onces))
+            done = [future.result() for future in [pool.submit(once) for once in onces]]
         return time.perf_counter() - start, sum(tasks for _, tasks in done)
 
     one_pass()  # compile (once: the lanes share the program) + warm-up, dropped

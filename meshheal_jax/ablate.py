@@ -57,8 +57,7 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
 def run_all(name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool,
             lanes: int | None = None) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary."""
-    if lanes is not None and lanes < 1:
-        raise MeshHealError(f"--lanes must be >= 1, got {lanes}")
+    runner.check_lanes(lanes)
     for exp in experiments.values():  # every configuration checked before anything runs
         exp.validate()
     out.mkdir(parents=True, exist_ok=True)

@@ -1528,24 +1528,31 @@ def lane_streams(n_streams: int, lanes: int) -> list[list[int]]:
     return groups
 
 
-def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool, chunk: int,
-              tables: tuple[str, ...] = TABLES, lanes: int = 1, mesh: jax.sharding.Mesh | None = None,
+def check_lanes(lanes: int, mesh: jax.sharding.Mesh | None) -> None:
+    if lanes < 1 or (mesh is not None and lanes > 1):
+        raise MeshHealError(f"--lanes must be >= 1, and 1 when the streams are sharded over several devices; "
+                            f"got {lanes}")  # fmt: skip
+
+
+def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool, chunk: int | None = None,
+              tables: tuple[str, ...] = TABLES, lanes: int | None = None, mesh: jax.sharding.Mesh | None = None,
               on_progress=None, timings: dict | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """The host loop: the streams' rounds, `chunk` per compiled call, until every stream is done;
     per stream the record tables named in `tables`.
 
-    params: one Params for every stream, or (batched) a list with one per stream. The streams are
-    split into `lanes` groups of equal width (`lane_streams`) run side by side, each by its own
+    params: one Params for every stream, or (batched) a list with one per stream. chunk: default
+    `default_chunk` of a lane's width. The streams are split into `lanes` (default `default_lanes`) groups of equal width (`lane_streams`) run side by side, each by its own
     thread with its own carry: XLA's CPU runtime runs one program's kernels one after another, so
     one lane keeps one core busy, and lanes of the same shapes share one compiled program
     (decisions S7). With a mesh (several devices) use one lane; its streams are padded to the mesh
     and sharded over it. `on_progress(done, total)` is called with the tasks done in all lanes;
     `timings`, when given, receives the slowest lane's seconds: first_call (trace, compile, chunk
     1), other_calls (the other chunks), records (arrays -> record tables) and calls (count)."""
-    if lanes < 1 or (mesh is not None and lanes > 1):
-        raise MeshHealError(f"lanes must be >= 1, and 1 when the streams are sharded over several devices; got {lanes}")
+    lanes = default_lanes(len(specs), mesh) if lanes is None else lanes
+    check_lanes(lanes, mesh)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)  # one shape for every lane
     groups = lane_streams(len(specs), lanes)
+    chunk = default_chunk(cfg.slots, len(groups[0])) if chunk is None else chunk
     done_tasks = [0] * len(groups)
     lock, stop = threading.Lock(), threading.Event()  # stop: another lane failed or the caller was interrupted
 
@@ -1603,24 +1610,20 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
 def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int | None = None,
                 tables: tuple[str, ...] = TABLES, on_progress=None, shard: bool | None = None,
                 lanes: int | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
-    """Run streams of one shape, `chunk` rounds per compiled call (default: `default_chunk` of a
-    lane's width), in `lanes` lanes side by side (default: `default_lanes`, one per CPU core).
+    """Run streams of one shape, `chunk` rounds per compiled call, in `lanes` lanes side by side
+    (`run_batch`'s defaults: `default_chunk` of a lane's width, `default_lanes`, one per CPU core).
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
     With several devices (`stream_mesh(shard)`), the streams are sharded over them in one lane;
     when their number is not a multiple of the devices, the last stream is repeated to fill the
     mesh and its copies are dropped."""
     cfg = engine_config(specs, protocol, slots)
-    mesh = stream_mesh(shard)
-    lanes = default_lanes(len(specs), mesh) if lanes is None else lanes
-    width = len(lane_streams(len(specs), lanes)[0])
-    chunk = default_chunk(slots, width) if chunk is None else chunk
     batched = params_per_stream(specs)
     if batched:
         params = [make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]
     else:
         params = make_params(protocol, specs[0].pair, specs[0].network.profile, cfg.n_agents)
-    return run_batch(cfg, specs, params, batched, chunk, tables, lanes, mesh, on_progress)
+    return run_batch(cfg, specs, params, batched, chunk, tables, lanes, stream_mesh(shard), on_progress)
 
 
 def _empty(table: str) -> pl.DataFrame:

@@ -460,19 +460,20 @@ class Results:
     summary: dict
 
 
+def check_lanes(lanes: int | None) -> None:
+    """A --lanes value the JAX engine takes (engine.check_lanes), checked before anything is written."""
+    if lanes is not None:
+        from meshheal_jax import engine
+
+        engine.check_lanes(lanes, engine.stream_mesh())
+
+
 def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: int | None = None) -> Results:
     """Run (or resume) an experiment; append each finished stream to the run folder. `lanes`: the
     JAX engine's MeshHeal streams of a pair run in that many lanes side by side, one thread each
     (default: one per CPU core; docs/decisions.md S7); the same records, floats up to the last bits."""
     exp.validate()
-    if lanes is not None and lanes < 1:
-        raise MeshHealError(f"--lanes must be >= 1, got {lanes}")
-    if lanes is not None and lanes > 1 and exp.engine == "jax" and "meshheal" in exp.methods:
-        from meshheal_jax import engine
-
-        if engine.stream_mesh() is not None:
-            raise MeshHealError("--lanes > 1 runs on one CPU device; with several devices the streams shard "
-                                "over them in one lane (docs/decisions.md S6): use --lanes 1")  # fmt: skip
+    check_lanes(lanes)
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back

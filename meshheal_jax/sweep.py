@@ -323,7 +323,6 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
     cfg = sweep_config(batch, slots)
     params = stream_params(batch) if params is None else params
     mesh = engine.stream_mesh()  # several devices: streams sharded over them (one lane)
-    lanes = engine.default_lanes(len(batch.specs), mesh) if lanes is None else lanes
     return engine.run_batch(cfg, list(batch.specs), params, True, chunk, tables, lanes, mesh, on_progress, timings)
 
 
@@ -637,8 +636,7 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
     sweep_config(batch, cfg.slots)
     if cfg.chunk < 1:
         raise MeshHealError(f"--chunk must be >= 1, got {cfg.chunk}")
-    if cfg.lanes is not None and cfg.lanes < 1:
-        raise MeshHealError(f"--lanes must be >= 1, got {cfg.lanes}")
+    runner.check_lanes(cfg.lanes)
     params = stream_params(batch)
     check_effect(grid, batch, params)
     run_dir = prepare_out(cfg.out)
