@@ -373,6 +373,21 @@ def window_mean(data, count):
     return jnp.sum(jnp.where(mask, data, 0.0), axis=-1) / jnp.maximum(filled, 1)
 
 
+_NOT_SIGN = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+
+
+def sort_floats(x):
+    """jnp.sort(x) along the last axis for float64 x without NaN, as a sort of int64 keys: a
+    float's bits, with a negative float's bits below the sign flipped, order like the floats
+    (IEEE 754 total order). XLA's CPU sort runs a plain integer sort on them; on floats it calls
+    JAX's comparator (a NaN- and zero-aware compare) for every comparison, ~6x slower on the
+    detector's (slots, 42) peer pools. The same values come out (equal keys are equal bits),
+    except that -0.0 sorts before +0.0 where jnp.sort keeps their order (no score makes -0.0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int64)
+    keys = jax.lax.sort(jnp.where(bits < 0, bits ^ _NOT_SIGN, bits), dimension=x.ndim - 1, is_stable=False)
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ _NOT_SIGN, keys), jnp.float64)
+
+
 def quantile_sorted(sorted_values, n, q):
     pos = q * (n - 1).astype(jnp.float64)
     lo_i = jnp.floor(pos).astype(jnp.int32)
@@ -613,7 +628,7 @@ def observe_relative(
     pool_mask = normal[:, None] & (pool_counts >= p.min_obs)
     flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
     n_pool = pool_mask.sum()
-    ordered = jnp.sort(flat)
+    ordered = sort_floats(flat)
     m = quantile_sorted(ordered, n_pool, 0.5)
     p25 = quantile_sorted(ordered, n_pool, 0.25)
     defined = record & (t > p.warmup) & (n_x >= p.min_obs) & (n_pool > 0)

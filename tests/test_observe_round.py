@@ -131,3 +131,19 @@ def test_median_of_3_equals_sorting():
     grid = np.array(np.meshgrid(*[[0.0, 0.25, 0.5, 1.0]] * 3)).reshape(3, -1).T
     for x in grid:
         assert float(engine.median_of_3(jnp.asarray(x))) == float(np.sort(x)[1])
+
+
+FLOATS = st.one_of(st.floats(allow_nan=False, allow_infinity=True, width=64).filter(lambda x: x != 0 or np.copysign(1, x) > 0),
+                   st.sampled_from([0.0, 1.0, -1.0, 0.25, np.inf, 5e-324, -5e-324, 1.7976931348623157e308]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda rows: st.integers(1, 45).flatmap(
+    lambda n: st.lists(FLOATS, min_size=rows * n, max_size=rows * n).map(lambda v: np.reshape(v, (rows, n))))))
+def test_sort_floats_equals_sort(values):
+    """The detector's pool sort (int64 keys in IEEE total order) gives jnp.sort's values, bit for bit,
+    for any float64 without NaN or -0.0 (duplicates, +-inf, subnormals and the largest floats included)."""
+    got = np.asarray(jax.jit(engine.sort_floats)(jnp.asarray(values)))
+    want = np.sort(values, axis=-1)
+    assert got.dtype == np.float64
+    assert np.array_equal(got.view(np.int64), want.view(np.int64))
