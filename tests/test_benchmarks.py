@@ -47,3 +47,12 @@ def test_ab_rounds_alternates_two_checkouts(tmp_path):
     assert lines[-1].startswith("change of the median:")
     bad = subprocess.run([*cmd[:2], str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode != 0 and "is not a checkout of this repository" in bad.stderr
+
+
+def test_pool_sort_reports_equal_values():
+    """benchmarks/pool_sort.py prints a row per pool shape, each with the same values from both sorts."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pool_sort.py"), "--rows", "3", "7", "--repeats", "3"],
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| 3 x 42", "| 7 x 42"))]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("True") for row in rows)
