@@ -10,8 +10,13 @@ table groups ops by executions per round (a loop body's ops run equally often), 
 the largest. The profiler inflates ops that run many times per round: a share held by a loop of
 tiny ops is an upper bound, to be checked by an A/B without the profiler.
 
+A third table (`--by-function`) charges each op to the engine functions that traced it, read
+from the compiled HLO's stack-frame tables: the part of a round under `round_step` that a share
+belongs to (e.g. `absorb_round > observe_round`).
+
     python benchmarks/profile_round.py                         # 576 agents, 1 stream, 64 rounds
     python benchmarks/profile_round.py --agents 6 --streams 64 --top 25
+    python benchmarks/profile_round.py --agents 576 --streams 2 --by-function 2
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 import sys
 import tempfile
 import time
@@ -56,6 +62,50 @@ def self_times(trace_file: Path) -> tuple[collections.Counter, collections.Count
     return own, count
 
 
+def traced_by(hlo_text: str) -> dict[str, list[str]]:
+    """Op name -> the Python functions (outermost first) whose code emitted it, from the stack-frame
+    tables at the head of a compiled module's text (FunctionNames, FileLocations, StackFrames; a
+    frame's parent_frame_id is one past its parent's key there, 0 for none, as read off these tables)."""
+    head = hlo_text.split("\nENTRY", 1)[0]
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in head.splitlines()[1:]:
+        if re.fullmatch(r"[A-Za-z]+", line):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"(\d+) (.*)", line)):
+            current[int(m.group(1))] = m.group(2)
+    if "StackFrames" not in tables:
+        return {}
+
+    def fields(text: str) -> dict[str, int]:
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+
+    functions = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+    location = {k: functions[fields(v)["function_name_id"]] for k, v in tables["FileLocations"].items()}
+    frames = {k: fields(v) for k, v in tables["StackFrames"].items()}
+
+    def chain(frame: int) -> list[str]:
+        out, seen = [], set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            out.append(location[frames[frame]["file_location_id"]])
+            frame = frames[frame]["parent_frame_id"] - 1
+        return out[::-1]
+
+    return {m.group(1): chain(int(m.group(2)))
+            for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}  # fmt: skip
+
+
+def round_part(functions: list[str] | None, depth: int) -> str:
+    """The first `depth` functions under the innermost round_step of a chain."""
+    if not functions:
+        return "(no source: copies, loop control, ...)"
+    if "round_step" not in functions:
+        return f"(outside round_step) {functions[-1]}"
+    below = functions[len(functions) - functions[::-1].index("round_step"):]
+    return " > ".join(f.replace(".<locals>.", ".") for f in below[:depth]) or "round_step"
+
+
 # host-side events of the profiler and of JAX's dispatch, not XLA ops
 HOST = ("$", "PjitFunction", "ThunkExecutor", "TfrtCpu", "PjRt")
 
@@ -67,6 +117,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=64, help="rounds in the profiled chunk")
     ap.add_argument("--skip", type=int, default=3, help="chunks run before it (past the warm-up)")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--by-function", type=int, default=0, metavar="DEPTH",
+                    help="also charge ops to the engine functions under round_step, DEPTH calls deep")
     args = ap.parse_args()
 
     n = args.agents
@@ -135,6 +187,17 @@ def main() -> None:
         print(
             f"| {name[:60]} | {100 * us / total:.1f}% | {count[name] / args.rounds:.1f} | {us / count[name]:.1f} |"
         )
+    if args.by_function:
+        hlo = engine.run_rounds.lower(cfg, params, worlds, carry, args.rounds, batched).compile().as_text()
+        chains = traced_by(hlo)
+        parts = collections.defaultdict(lambda: [0.0, 0])
+        for name, us in ops.items():
+            part = parts[round_part(chains.get(name), args.by_function)]
+            part[0] += us
+            part[1] += count[name]
+        print("\n| part of the round (traced by) | share | op executions per round |\n|---|---|---|")
+        for part, (us, n_exec) in sorted(parts.items(), key=lambda kv: -kv[1][0])[: args.top]:
+            print(f"| {part} | {100 * us / total:.1f}% | {n_exec / args.rounds:.1f} |")
 
 
 if __name__ == "__main__":
