@@ -212,6 +212,10 @@ class Net:
     shortfalls: jax.Array  # (N, T, A, W) float64
     shortfall_count: jax.Array  # (N, T, A) int32 (= lifetime n_x)
     cusum: jax.Array  # (N, T, A) float64 CUSUM statistic S (detector "cusum"; shape (0,) otherwise)
+    # window_mean of each window as last written, kept next to it (`write_rows` writes both): an
+    # observation reads each peer's mean, not its window (K values, not K x W and K x A x W)
+    score_mean: jax.Array  # (N, T, A) float64
+    shortfall_mean: jax.Array  # (N, T, A) float64
 
 
 @pytree
@@ -285,6 +289,7 @@ def initial_net(cfg: EngineConfig, world: World) -> Net:
         scores=jnp.zeros((n, t, a, w)), score_count=jnp.zeros((n, t, a), jnp.int32),
         shortfalls=jnp.zeros((n, t, a, cfg.window_shortfalls)), shortfall_count=jnp.zeros((n, t, a), jnp.int32),
         cusum=jnp.zeros((n, t, a) if cfg.detector == "cusum" else (0,)),
+        score_mean=jnp.zeros((n, t, a)), shortfall_mean=jnp.zeros((n, t, a)),
     )  # fmt: skip
 
 
@@ -481,6 +486,8 @@ class Rows:
     score_count: jax.Array  # ()
     shortfalls: jax.Array  # (Ws,)
     shortfall_count: jax.Array  # ()
+    score_mean: jax.Array  # () window_mean(scores, score_count)
+    shortfall_mean: jax.Array  # () window_mean(shortfalls, shortfall_count)
     cusum: jax.Array  # () CUSUM statistic (0 and not written unless the detector is cusum)
     state: jax.Array  # ()
     consecutive: jax.Array  # ()
@@ -517,14 +524,17 @@ def write_rows(net: Net, i, task_type, s, rows: Rows) -> Net:
                scores=net.scores.at[cell].set(rows.scores, mode=mode),
                score_count=net.score_count.at[cell].set(rows.score_count, mode=mode),
                shortfalls=net.shortfalls.at[cell].set(rows.shortfalls, mode=mode),
-               shortfall_count=net.shortfall_count.at[cell].set(rows.shortfall_count, mode=mode), cusum=cusum)  # fmt: skip
+               shortfall_count=net.shortfall_count.at[cell].set(rows.shortfall_count, mode=mode), cusum=cusum,
+               score_mean=net.score_mean.at[cell].set(rows.score_mean, mode=mode),
+               shortfall_mean=net.shortfall_mean.at[cell].set(rows.shortfall_mean, mode=mode))  # fmt: skip
 
 
 def current_rows(net: Net, i, task_type, s) -> Rows:
     """Author i's rows as they stand (writing them back changes nothing)."""
     cell = (i, task_type, s)
     return Rows(scores=net.scores[cell], score_count=net.score_count[cell], shortfalls=net.shortfalls[cell],
-                shortfall_count=net.shortfall_count[cell],
+                shortfall_count=net.shortfall_count[cell], score_mean=net.score_mean[cell],
+                shortfall_mean=net.shortfall_mean[cell],
                 cusum=net.cusum[cell] if net.cusum.ndim == 3 else jnp.float64(0.0), state=net.state[i],
                 consecutive=net.consecutive[i], probe_timer=net.probe_timer[i])  # fmt: skip
 
@@ -551,11 +561,12 @@ def _decide(net: Net, i, t, defined, z, new, consecutive, reason) -> tuple[tuple
                                                   after=new, reason=reason)  # fmt: skip
 
 
-def _rows(net: Net, i, task_type, s, score_row, count, decision, cusum=None) -> Rows:
+def _rows(net: Net, i, task_type, s, score_row, count, mean, decision, cusum=None) -> Rows:
     """Rows of a detector that keeps no shortfall window (absolute, cusum): i's shortfalls unchanged."""
     state, consecutive, timer = decision
     return Rows(scores=score_row, score_count=count, shortfalls=net.shortfalls[i, task_type, s],
-                shortfall_count=net.shortfall_count[i, task_type, s],
+                shortfall_count=net.shortfall_count[i, task_type, s], score_mean=mean,
+                shortfall_mean=net.shortfall_mean[i, task_type, s],
                 cusum=jnp.float64(0.0) if cusum is None else cusum, state=state, consecutive=consecutive,
                 probe_timer=timer)  # fmt: skip
 
@@ -568,7 +579,7 @@ def observe_absolute(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tu
     z = (p.abs_threshold - mean) / p.abs_scale
     new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
     decision, obs = _decide(net, i, t, defined, z, new, consecutive, reason)
-    return _rows(net, i, task_type, s, row, count, decision), obs
+    return _rows(net, i, task_type, s, row, count, mean, decision), obs
 
 
 def next_state_cusum(p: Params, state, stat):
@@ -590,11 +601,11 @@ def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple
     every final score; transitions after warm-up from the min_obs-th score on."""
     stat = net.cusum[i, task_type, s]
     stat = jnp.where(evidence, jnp.maximum(0.0, stat + (p.cusum_target - q) - p.cusum_k), stat)
-    row, count, _ = _own_score(net, i, task_type, s, q, evidence)
+    row, count, mean = _own_score(net, i, task_type, s, q, evidence)
     defined = evidence & (t > p.warmup) & (count >= p.min_obs)
     new, reason = next_state_cusum(p, net.state[i], stat)
     decision, obs = _decide(net, i, t, defined, stat, new, net.consecutive[i], reason)
-    return _rows(net, i, task_type, s, row, count, decision, cusum=stat), obs
+    return _rows(net, i, task_type, s, row, count, mean, decision, cusum=stat), obs
 
 
 def observe_relative(
@@ -608,13 +619,13 @@ def observe_relative(
     w, ws = net.scores.shape[-1], net.shortfalls.shape[-1]
     # reads
     peer_counts = net.score_count[nbc, task_type, s]  # (K,)
-    peer_means = window_mean(net.scores[nbc, task_type, s], peer_counts)
+    peer_means = net.score_mean[nbc, task_type, s]
     count = net.score_count[i, task_type, s]
     score_row = net.scores[i, task_type, s]  # (W,)
     n_x = net.shortfall_count[i, task_type, s]
     shortfall_row = net.shortfalls[i, task_type, s]
     pool_counts = net.shortfall_count[nbc, task_type, :]  # (K, A); i is never its own neighbour
-    pool_values = window_mean(net.shortfalls[nbc, task_type, :], pool_counts)
+    pool_values = net.shortfall_mean[nbc, task_type, :]
     # the new score and shortfall
     peers = normal & (peer_counts > 0)
     n_peers = peers.sum()
@@ -640,7 +651,8 @@ def observe_relative(
     new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
     (new, consecutive, timer), obs = _decide(net, i, t, defined, z, new, consecutive, reason)
     rows = Rows(scores=score_row, score_count=count + evidence, shortfalls=shortfall_row, shortfall_count=n_x,
-                cusum=jnp.float64(0.0), state=new, consecutive=consecutive, probe_timer=timer)  # fmt: skip
+                score_mean=window_mean(score_row, count + evidence), shortfall_mean=own, cusum=jnp.float64(0.0),
+                state=new, consecutive=consecutive, probe_timer=timer)  # fmt: skip
     return rows, obs
 
 

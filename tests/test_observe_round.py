@@ -147,3 +147,17 @@ def test_sort_floats_equals_sort(values):
     want = np.sort(values, axis=-1)
     assert got.dtype == np.float64
     assert np.array_equal(got.view(np.int64), want.view(np.int64))
+
+
+@pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
+def test_kept_means_equal_the_windows_means(detector):
+    """Net keeps each window's mean next to it (peers read one value, not a window): after 2,000
+    rounds every kept mean equals window_mean of its window, up to rounding."""
+    _, _, net = mid_run(detector)
+    for kept, window, count in ((net.score_mean, net.scores, net.score_count),
+                                (net.shortfall_mean, net.shortfalls, net.shortfall_count)):  # fmt: skip
+        want = np.asarray(engine.window_mean(window, count))
+        np.testing.assert_allclose(np.asarray(kept), want, rtol=0, atol=1e-12)
+    assert np.count_nonzero(np.asarray(net.score_mean)) > 100  # many windows were written
+    if detector == "relative":
+        assert np.count_nonzero(np.asarray(net.shortfall_mean)) > 100
