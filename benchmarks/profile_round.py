@@ -12,7 +12,9 @@ tiny ops is an upper bound, to be checked by an A/B without the profiler.
 
 A third table (`--by-function`) charges each op to the engine functions that traced it, read
 from the compiled HLO's stack-frame tables: the part of a round under `round_step` that a share
-belongs to (e.g. `absorb_round > observe_round`).
+belongs to (e.g. `absorb_round > observe_round`). A fusion carries its root instruction's frame,
+so a fusion of code from two functions is charged to the root's; a chain can repeat frames
+(inlined calls prepend their callers'), and the part is taken under its innermost `round_step`.
 
     python benchmarks/profile_round.py                         # 576 agents, 1 stream, 64 rounds
     python benchmarks/profile_round.py --agents 6 --streams 64 --top 25
@@ -64,8 +66,9 @@ def self_times(trace_file: Path) -> tuple[collections.Counter, collections.Count
 
 def traced_by(hlo_text: str) -> dict[str, list[str]]:
     """Op name -> the Python functions (outermost first) whose code emitted it, from the stack-frame
-    tables at the head of a compiled module's text (FunctionNames, FileLocations, StackFrames; a
-    frame's parent_frame_id is one past its parent's key there, 0 for none, as read off these tables)."""
+    tables at the head of a compiled module's text (FunctionNames, FileLocations, StackFrames). XLA
+    prints a frame's parent as its id + 1 (1: no parent); if no chain then runs through
+    `round_step`, the format has changed and this fails rather than mislabel ops."""
     head = hlo_text.split("\nENTRY", 1)[0]
     tables: dict[str, dict[int, str]] = {}
     current = None
@@ -75,7 +78,7 @@ def traced_by(hlo_text: str) -> dict[str, list[str]]:
         elif current is not None and (m := re.match(r"(\d+) (.*)", line)):
             current[int(m.group(1))] = m.group(2)
     if "StackFrames" not in tables:
-        return {}
+        raise SystemExit("--by-function: the compiled module's text has no StackFrames table (another XLA?)")
 
     def fields(text: str) -> dict[str, int]:
         return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
@@ -92,12 +95,20 @@ def traced_by(hlo_text: str) -> dict[str, list[str]]:
             frame = frames[frame]["parent_frame_id"] - 1
         return out[::-1]
 
-    return {m.group(1): chain(int(m.group(2)))
-            for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}  # fmt: skip
+    chains = {}  # every instruction; [] for one without a frame (copies, loop control, ...)
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", hlo_text, re.MULTILINE):
+        frame = re.search(r"stack_frame_id=(\d+)", m.group(2))
+        chains[m.group(1)] = chain(int(frame.group(1))) if frame else []
+    if not any("round_step" in c for c in chains.values()):
+        raise SystemExit("--by-function: no op's stack runs through round_step; the stack-frame tables "
+                         "are not read as this script expects (another XLA?)")  # fmt: skip
+    return chains
 
 
 def round_part(functions: list[str] | None, depth: int) -> str:
     """The first `depth` functions under the innermost round_step of a chain."""
+    if functions is None:
+        return "(op not found in the compiled module)"
     if not functions:
         return "(no source: copies, loop control, ...)"
     if "round_step" not in functions:
@@ -107,7 +118,17 @@ def round_part(functions: list[str] | None, depth: int) -> str:
 
 
 # host-side events of the profiler and of JAX's dispatch, not XLA ops
-HOST = ("$", "PjitFunction", "ThunkExecutor", "TfrtCpu", "PjRt")
+HOST = ("$", "PjitFunction", "ThunkExecutor", "TfrtCpu", "PjRt", "ThreadpoolListener")
+END = "end: "  # the profiler's event for an op's completion: its time is charged to the op, not counted
+
+
+def fold_ends(own: collections.Counter, count: collections.Counter) -> None:
+    """Charge each 'end: <op>' event's time to <op> and drop it from the counts (before the sixth
+    session of 2026-12-04 they were counted as ops of their own: the 'op executions per round' of
+    earlier tables include them)."""
+    for name in [k for k in own if k.startswith(END)]:
+        own[name[len(END):]] += own.pop(name)
+        count.pop(name, None)
 
 
 def main() -> None:
@@ -143,6 +164,7 @@ def main() -> None:
         with jax.profiler.trace(tmp):
             chunk()
         own, count = self_times(next(Path(tmp).rglob("*.trace.json.gz")))
+    fold_ends(own, count)
 
     ops = {k: v for k, v in own.items() if not k.startswith(HOST)}
     dispatch = sum(v for k, v in own.items() if k.startswith("ThunkExecutor::Execute") and "wait" not in k)

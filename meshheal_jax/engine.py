@@ -387,7 +387,8 @@ def sort_floats(x):
     (IEEE 754 total order). XLA's CPU sort runs a plain integer sort on them; on floats it calls
     JAX's comparator (a NaN- and zero-aware compare) for every comparison, ~6x slower on the
     detector's (slots, 42) peer pools. The same values come out (equal keys are equal bits),
-    except that -0.0 sorts before +0.0 where jnp.sort keeps their order (no score makes -0.0)."""
+    except that -0.0 sorts before +0.0 where jnp.sort keeps their order; no pool value can be
+    -0.0 (means of shortfalls reference - q, with q and every peer mean >= +0.0)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.int64)
     keys = jax.lax.sort(jnp.where(bits < 0, bits ^ _NOT_SIGN, bits), dimension=x.ndim - 1, is_stable=False)
     return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ _NOT_SIGN, keys), jnp.float64)

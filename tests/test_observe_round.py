@@ -93,10 +93,11 @@ def test_observe_round_equals_one_by_one(detector, width, later_width, data):
         detector, p, world, net, evidence, order, observations, width, later_width
     )
     kept = np.asarray(evidence.valid)
-    for name, a, b, mask in [
-        *zip(("net",) * 9, jax.tree_util.tree_leaves(net_fast), jax.tree_util.tree_leaves(net_slow), [None] * 9),
-        *zip(("obs",) * 5, jax.tree_util.tree_leaves(obs_fast), jax.tree_util.tree_leaves(obs_slow), [kept] * 5),
-    ]:  # fmt: skip
+    net_leaves = [(f"net.{f.name}", getattr(net_fast, f.name), getattr(net_slow, f.name), None)
+                  for f in dataclasses.fields(engine.Net)]  # every field, the kept means included
+    obs_leaves = [(f"obs.{f.name}", getattr(obs_fast, f.name), getattr(obs_slow, f.name), kept)
+                  for f in dataclasses.fields(engine.Observation)]  # fmt: skip
+    for name, a, b, mask in net_leaves + obs_leaves:
         a, b = np.asarray(a), np.asarray(b)
         if mask is not None:
             a, b = a[mask], b[mask]
@@ -141,8 +142,8 @@ FLOATS = st.one_of(st.floats(allow_nan=False, allow_infinity=True, width=64).fil
 @given(st.integers(1, 4).flatmap(lambda rows: st.integers(1, 45).flatmap(
     lambda n: st.lists(FLOATS, min_size=rows * n, max_size=rows * n).map(lambda v: np.reshape(v, (rows, n))))))
 def test_sort_floats_equals_sort(values):
-    """The detector's pool sort (int64 keys in IEEE total order) gives jnp.sort's values, bit for bit,
-    for any float64 without NaN or -0.0 (duplicates, +-inf, subnormals and the largest floats included)."""
+    """The detector's pool sort (int64 keys in IEEE total order) gives np.sort's (= jnp.sort's) values,
+    bit for bit, for any float64 without NaN or -0.0 (duplicates, +-inf, subnormals, the largest floats)."""
     got = np.asarray(jax.jit(engine.sort_floats)(jnp.asarray(values)))
     want = np.sort(values, axis=-1)
     assert got.dtype == np.float64
