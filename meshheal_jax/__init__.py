@@ -27,3 +27,23 @@ _CACHE = os.environ.get("MESHHEAL_JAX_CACHE", os.path.join(os.path.expanduser("~
 if _CACHE.lower() not in ("", "0", "off", "none"):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")
+
+# glibc's malloc returns freed memory above 128 KB to the OS (and serves blocks above its mmap
+# threshold with fresh mmaps), so every compiled call's output buffers (the round records, a few
+# MB per chunk) are faulted in page by page again; at 576 agents x 2 streams that was ~7% of a
+# round (benchmarks/README.md, sixth session). Keep freed memory in the heap instead: blocks up
+# to 32 MB from the heap, no trimming below 2 GB. glibc only; a user's own MALLOC_MMAP_THRESHOLD_
+# or MALLOC_TRIM_THRESHOLD_ is kept; MESHHEAL_JAX_MALLOC=off leaves malloc alone.
+if os.environ.get("MESHHEAL_JAX_MALLOC", "").lower() not in ("0", "off", "none"):
+    try:
+        import ctypes
+        import platform
+
+        if platform.libc_ver()[0] == "glibc":
+            _libc = ctypes.CDLL(None)
+            if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+                _libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
+            if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+                _libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
