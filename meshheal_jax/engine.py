@@ -617,12 +617,10 @@ def observe_relative(
     the rows to write (`write_rows`) and the record."""
     _, valid, nbc = neighbours_of(world, i)
     normal = valid & (net.state[nbc] == NORMAL)
-    w, ws = net.scores.shape[-1], net.shortfalls.shape[-1]
+    ws = net.shortfalls.shape[-1]
     # reads
     peer_counts = net.score_count[nbc, task_type, s]  # (K,)
     peer_means = net.score_mean[nbc, task_type, s]
-    count = net.score_count[i, task_type, s]
-    score_row = net.scores[i, task_type, s]  # (W,)
     n_x = net.shortfall_count[i, task_type, s]
     shortfall_row = net.shortfalls[i, task_type, s]
     pool_counts = net.shortfall_count[nbc, task_type, :]  # (K, A); i is never its own neighbour
@@ -636,7 +634,7 @@ def observe_relative(
     shortfall_row = jnp.where(record, shortfall_row.at[n_x % ws].set(x), shortfall_row)
     n_x = n_x + record
     own = window_mean(shortfall_row, n_x)
-    score_row = jnp.where(evidence, score_row.at[count % w].set(q), score_row)
+    score_row, score_count, score_mean = _own_score(net, i, task_type, s, q, evidence)
     pool_mask = normal[:, None] & (pool_counts >= p.min_obs)
     flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
     n_pool = pool_mask.sum()
@@ -651,9 +649,9 @@ def observe_relative(
     )
     new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
     (new, consecutive, timer), obs = _decide(net, i, t, defined, z, new, consecutive, reason)
-    rows = Rows(scores=score_row, score_count=count + evidence, shortfalls=shortfall_row, shortfall_count=n_x,
-                score_mean=window_mean(score_row, count + evidence), shortfall_mean=own, cusum=jnp.float64(0.0),
-                state=new, consecutive=consecutive, probe_timer=timer)  # fmt: skip
+    rows = Rows(scores=score_row, score_count=score_count, shortfalls=shortfall_row, shortfall_count=n_x,
+                score_mean=score_mean, shortfall_mean=own, cusum=jnp.float64(0.0), state=new,
+                consecutive=consecutive, probe_timer=timer)  # fmt: skip
     return rows, obs
 
 

@@ -323,7 +323,8 @@ def run_batch(batch: Batch, slots: int, chunk: int, tables: tuple[str, ...], on_
     cfg = sweep_config(batch, slots)
     params = stream_params(batch) if params is None else params
     mesh = engine.stream_mesh()  # several devices: streams sharded over them (one lane)
-    return engine.run_batch(cfg, list(batch.specs), params, True, chunk, tables, lanes, mesh, on_progress, timings)
+    return engine.run_batch(cfg, list(batch.specs), params, batched=True, chunk=chunk, tables=tables, lanes=lanes,
+                            mesh=mesh, on_progress=on_progress, timings=timings)  # fmt: skip
 
 
 def label_frames(batch: Batch, grid: dict[str, tuple], per_stream: list[dict[str, pl.DataFrame]],
