@@ -88,7 +88,8 @@ COLUMNS = {  # the tables' columns, in print order
     "c": ["streams", "agents", "slots", "tasks", "rounds", "requests", "http_calls", "requests_per_round",
           "wall_s", "first_round_compile_s", "wall_excl_compile_s", "in_run_batch_s",
           "host_outside_batches_s", "ideal_batched_s", "sequential_s", "ratio", "ratio_excl_compile",
-          "client_cpu_s", "server_max_in_flight"],
+          "model_calls", "sequential_calls_s", "ratio_calls", "ratio_calls_excl_compile", "client_cpu_s",
+          "server_max_in_flight"],
     "d": ["server", "variant", "samples", "http_calls", "n_fallback_calls", "wall_s",
           "prompt_tokens_counted", "prefill_shared_tokens", "prompt_tokens_prefilled", "completion_tokens",
           "parse_failures"],
@@ -682,6 +683,9 @@ def section_c(stand_in: FixedLatencyStandIn, latency: float, n_agents: int, n_ta
         steady = wall - compile_s
         calls = server["requests"]
         sequential = calls * latency
+        # model calls as spec/emulator.md counts them (each of the three review samples is a call):
+        # the rows of the calls table. A client sending one call at a time sends each sample alone.
+        model_calls = sum(f["calls"].height for f in frames)
         tasks = sum(f["tasks"].height for f in frames)
         rows.append({
             "streams": n_streams, "agents": n_agents, "slots": slots, "tasks": tasks, "rounds": len(batches),
@@ -691,12 +695,14 @@ def section_c(stand_in: FixedLatencyStandIn, latency: float, n_agents: int, n_ta
             "in_run_batch_s": in_batches, "host_outside_batches_s": wall - compile_s - in_batches,
             "ideal_batched_s": len(batches) * latency, "sequential_s": sequential,
             "ratio": sequential / wall, "ratio_excl_compile": sequential / steady,
+            "model_calls": model_calls, "sequential_calls_s": model_calls * latency,
+            "ratio_calls": model_calls * latency / wall, "ratio_calls_excl_compile": model_calls * latency / steady,
             "client_cpu_s": cpu, "server_max_in_flight": server["max_in_flight"],
         })  # fmt: skip
     return {
         "title": f"c: batched live runner vs a sequential client ({n_agents} agents sparse, {n_tasks} tasks per stream, "
-        f"slots {max(n_agents // 6, 1)}, stand-in latency {latency:g} s; sequential = HTTP calls x latency, "
-        "computed)",
+        f"slots {max(n_agents // 6, 1)}, stand-in latency {latency:g} s; sequential = HTTP calls x latency "
+        "(an n=3 review one request) and model calls x latency (each review sample a call), computed)",
         "columns": COLUMNS["c"],
         "rows": rows,
     }
@@ -942,11 +948,14 @@ def targets(tables: dict, in_flight: int, latency: float, ratio_latency: float) 
     c = tables.get("c")
     if c and c["rows"]:
         row = c["rows"][0]
-        out.append({"target": "batched runner >= 20x shorter than a sequential client (96 agents, 300 tasks, 0.2 s)",
-                    "value": row["ratio"], "met": row["ratio"] >= 20,
-                    "applies": (row["agents"], row["tasks"], row["streams"], ratio_latency) == (96, 300, 1, 0.2),
-                    "run": f"{row['agents']} agents, {row['tasks']} tasks, {row['streams']} stream, {ratio_latency:g} s",
-                    "excluding_compile": row["ratio_excl_compile"]})  # fmt: skip
+        applies = (row["agents"], row["tasks"], row["streams"], ratio_latency) == (96, 300, 1, 0.2)
+        run = f"{row['agents']} agents, {row['tasks']} tasks, {row['streams']} stream, {ratio_latency:g} s"
+        for counted, ratio, excl in (("HTTP requests (an n=3 review one request)", "ratio", "ratio_excl_compile"),
+                                     ("model calls (each review sample a call)", "ratio_calls", "ratio_calls_excl_compile")):  # fmt: skip
+            out.append({"target": "batched runner >= 20x shorter than a sequential client (96 agents, 300 tasks, "
+                                  f"0.2 s; sequential = {counted} x latency)",
+                        "value": row[ratio], "met": row[ratio] >= 20, "applies": applies, "run": run,
+                        "excluding_compile": row[excl]})  # fmt: skip
     return out
 
 

@@ -14,10 +14,13 @@ says "I cannot tell", else 1.0. Garbage script: every reply is plain non-JSON te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import jax.numpy as jnp
 import numpy as np
 import polars as pl
 import pytest
@@ -316,6 +319,26 @@ def test_second_identical_run_sends_nothing(first_run):
     assert trace.tail(before.height)["from_cache"].all()
     assert same(again, results)  # identical tables, latency included (as first measured)
     assert live_loop.TRACES == traces  # begin / absorb jitted once per shape, not per run or round
+
+
+def test_absorb_compiled_ahead_is_the_one_the_loop_calls():
+    """decisions S8: the worker's warm call fills the jit cache with the signature the loop's first
+    absorb has (three streams: a batch width no other test compiles)."""
+    specs = [bbh_spec(seed) for seed in (0, 1, 2)]
+    cfg = engine.engine_config(specs, ProtocolParams(), 1)
+    params = engine.make_params(ProtocolParams(), specs[0].pair, PROFILE, cfg.n_agents)
+    worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, 5) for s in specs])  # K = 5: complete, 6 agents
+    carry = engine.initial_carries(cfg, worlds)
+    before = dict(live_loop.TRACES)
+    with ThreadPoolExecutor(1) as pool:
+        assert live_loop._compile_absorb(pool, cfg, params, worlds, carry, False).result() is None
+    assert live_loop.TRACES["absorb"] == before["absorb"] + 1
+    carry, requests = live_loop._begin(cfg, params, worlds, carry, False)
+    slot_t = np.asarray(requests.t)
+    carry = dataclasses.replace(carry, backend=live_loop._backend_state(carry.backend, [], {}, slot_t))
+    responses = engine.Responses(**{k: jnp.asarray(v) for k, v in live_loop._empty_responses(3, 1).items()})
+    live_loop._absorb(cfg, params, worlds, carry, requests, responses, False)
+    assert live_loop.TRACES["absorb"] == before["absorb"] + 1  # the loop's call found it compiled
 
 
 def test_garbage_replies_are_recorded_parse_failures(tmp_path):

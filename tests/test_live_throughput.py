@@ -63,8 +63,8 @@ def test_every_table_has_its_columns(quick_run):
         result["machine"]["cores"] >= 1 and result["latency_s"] == 0.2 and result["ratio_latency_s"] == 0.05
     )
     # the targets are reported, but a quick run is not the configuration they are stated for
-    assert [c["applies"] for c in result["targets"]] == [False, False]
-    assert stdout.count("not evaluated (another configuration)") == 2
+    assert [c["applies"] for c in result["targets"]] == [False, False, False]
+    assert stdout.count("not evaluated (another configuration)") == 3
 
 
 def test_a_requests_counted_and_in_flight_bounded(quick_run):
@@ -101,6 +101,10 @@ def test_c_batched_runner_and_its_sequential_equivalent(quick_run):
     assert row["sequential_s"] == pytest.approx(row["http_calls"] * 0.05)
     assert row["ideal_batched_s"] == pytest.approx(row["rounds"] * 0.05)
     assert row["ratio"] == pytest.approx(row["sequential_s"] / row["wall_s"])
+    # model calls count each initial review sample apart: more than the requests, at most 3 per request
+    assert row["requests"] < row["model_calls"] <= 3 * row["requests"]
+    assert row["ratio_calls"] == pytest.approx(row["model_calls"] * 0.05 / row["wall_s"])
+    assert [t["value"] for t in quick_run[0]["targets"][1:]] == [row["ratio"], row["ratio_calls"]]
     assert row["wall_excl_compile_s"] <= row["wall_s"] and row["in_run_batch_s"] < row["wall_s"]
     assert 1 <= row["server_max_in_flight"] <= 3 * row["slots"]  # at most 3 calls per slot per round
 

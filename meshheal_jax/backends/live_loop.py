@@ -53,6 +53,7 @@ import functools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -164,6 +165,29 @@ def _absorb(cfg: engine.EngineConfig, p, worlds, carry, requests, responses, par
         lambda p_, w, c, rq, rs: engine.absorb_round(cfg, p_, w, c, rq, rs),
         in_axes=(0 if params_batched else None, 0, 0, 0, 0), axis_name=engine.STREAMS,
     )(p, worlds, carry, requests, responses)  # fmt: skip
+
+
+def _compile_absorb(pool: ThreadPoolExecutor, cfg: engine.EngineConfig, p, worlds, carry,
+                    params_batched: bool) -> Future:  # fmt: skip
+    """Compile `_absorb` on a worker thread while the caller compiles `_begin` and sends the first
+    round's requests (the two compiles overlap on two cores, and absorb's with the first round's
+    model latency; docs/decisions.md S8). It is compiled the only way that fills the jit's own
+    cache: by calling it, here on a round with no requests (mask all False) from the initial
+    carry, its backend rebuilt as `_backend_state` rebuilds it, so every argument has the shape,
+    dtype and weak type of the real first call's and the loop's first `_absorb` call finds it
+    compiled. The call is pure and its result is dropped; the future's result is None, or the
+    compile's exception."""
+
+    def work() -> None:
+        _, requests = jax.eval_shape(lambda c: _begin(cfg, p, worlds, c, params_batched), carry)
+        requests = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), requests)
+        n_streams, n_slots = requests.mask.shape[:2]
+        empty = np.zeros((n_streams, n_slots), np.int32)
+        before = dataclasses.replace(carry, backend=_backend_state(carry.backend, [], {}, empty))
+        responses = engine.Responses(**{k: jnp.asarray(v) for k, v in _empty_responses(n_streams, n_slots).items()})
+        jax.block_until_ready(_absorb(cfg, p, worlds, before, requests, responses, params_batched))
+
+    return pool.submit(work)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,6 +581,8 @@ def run_live_streams(
     n_streams, n_slots = len(specs), cfg.slots
 
     live, owned = _open_client(client, run_dir)
+    compiling = ThreadPoolExecutor(1, thread_name_prefix="meshheal-compile")
+    absorb_ready = _compile_absorb(compiling, cfg, params, worlds, carry, batched)
     rounds: list = []  # per round: records with a leading stream axis (numpy)
     real: list[dict] = []  # per round: latency / parse status / model per call (streams, S, 3)
     trace: list[dict] = []
@@ -575,6 +601,7 @@ def run_live_streams(
             _absorb_replies(streams, store, pending, replies, rows, arrays, extra)
             responses = engine.Responses(**{name: jnp.asarray(value) for name, value in arrays.items()})
             carry = dataclasses.replace(carry, backend=_backend_state(carry.backend, streams, store, rq.t))
+            absorb_ready.result()  # compiled (or its error raised) before the first round's absorb
             carry, records = _absorb(cfg, params, worlds, carry, requests, responses, batched)
             records = jax.tree_util.tree_map(np.asarray, records)
             rounds.append(records)
@@ -585,6 +612,7 @@ def run_live_streams(
             for s, k in zip(*np.nonzero(records.finished_mask)):  # finished tasks leave the store
                 store.pop((int(s), int(records.finished.t[s, k])), None)
     finally:
+        compiling.shutdown(wait=True)  # an interrupted run leaves no compile thread behind
         _finish(run_dir, trace, live, owned)
 
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *rounds)  # (streams, rounds, S, ...)
