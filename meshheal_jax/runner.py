@@ -403,17 +403,17 @@ def run_baseline_streams(
     packaged profiles share one), every dataset and seed vmapped. Live backend: the program's calls
     go to the servers (backends/live_baselines.py), cached in run_dir/responses.sqlite."""
     from meshheal_jax.baselines import BaselineSpec
-    from meshheal_jax.baselines import run_baseline_streams as run_baseline
+    from meshheal_jax.baselines import run_baseline_frames as run_baseline
 
     if exp.backend == "live":
-        from meshheal_jax.backends.live_baselines import live_baseline_tables
+        from meshheal_jax.backends.live_baselines import run_live_baselines
 
         def run_baseline(method, specs, pair):  # the live variant of the same call
             questions = {d: exp.live.questions(d, exp.profiles_dir)
                          for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
-            return live_baseline_tables(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),
-                                        questions, run_dir=run_dir / f"live-{method}-{pair_name}",
-                                        options=exp.live.options())  # fmt: skip
+            return run_live_baselines(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),
+                                      questions, run_dir=run_dir / f"live-{method}-{pair_name}",
+                                      options=exp.live.options())  # fmt: skip
 
     pairs = {p for _, p, _ in streams}
     if len(pairs) != 1:
@@ -428,8 +428,8 @@ def run_baseline_streams(
     pair = load_pair(pair_name, exp.params_dir)
     out: list[dict[str, pl.DataFrame] | None] = [None] * len(streams)
     for members in groups.values():
-        for k, rows in zip(members, run_baseline(method, [specs[k] for k in members], pair)):
-            out[k] = {name: metrics.frame(name, rows[name]) for name in exp.tables}
+        for k, frames in zip(members, run_baseline(method, [specs[k] for k in members], pair)):
+            out[k] = {name: frames[name] for name in exp.tables}
     return out
 
 

@@ -502,3 +502,66 @@ def test_paired_entries_and_plausible_accuracy(method):
     print(f"\n{method}: accuracy healthy {acc_h:.3f}, degraded {acc_d:.3f}, calls/task {calls:.2f}")
     assert 0.6 <= acc_h <= 1.0
     assert 0.2 <= acc_d <= acc_h + 0.05  # degradation never helps beyond noise
+
+
+def test_frames_follow_the_column_rules():
+    """`common.frames` on a hand-built two-task TaskOut: nulls where a value is absent, the
+    route's executions and padding, an unanswered task's answer, a live trace row's fields."""
+    from meshheal_jax.streams import Stream
+
+    i = lambda *rows: np.array(rows, np.int32)
+    call = C.Call(
+        valid=np.array([[True, True, False], [True, True, True]]),
+        kind=i([C.K_GENERATE, C.K_WATCHDOG, C.K_ROUTER], [C.K_EVALUATE, C.K_COMPOSE, C.K_ROUTER]),
+        visit=i([0, 1, 0], [2, 2, 3]), agent=i([1, 2, 0], [3, 4, 5]), author=i([-1, 1, -1], [4, -1, -1]),
+        ability=i([0, 0, -1], [2, -1, -1]), role=i([0, 1, 0], [1, 0, 0]), prompt=i([10, 20, 99], [30, 40, 50]),
+        completion=i([1, 2, 99], [3, 4, 5]), score=np.array([[0.5, 0.25, 0.0], [np.nan, 1.0, 0.7]]),
+        answer_id=i([-1, -1, 3], [0, 2, -1]), correct=i([-1, 1, 0], [0, 1, -1]), request=i([-1, 7, -1], [-1, -1, 8]),
+    )  # fmt: skip
+    review = C.Review(
+        valid=np.array([[False, True], [True, False]]), action=i([0, C.R_WATCHDOG], [C.R_EVALUATE, 0]),
+        visit=i([0, 1], [2, 0]), author=i([0, 1], [2, 0]), ability=i([0, 0], [2, 0]), reviewer=i([0, 2], [3, 0]),
+        score=np.array([[0.0, 0.25], [1.0, 0.0]]), author_role=i([0, 1], [0, 0]),
+        correct=np.array([[False, False], [True, False]]),
+    )  # fmt: skip
+    sep = C.ROUTE_SEP
+    out = C.TaskOut(
+        entry=i(1, 3), route=i([1, 2, sep, -1, -1], [3, sep, sep, 4, 5]), actions=i([0, 1, -1], [0, 2, 11]),
+        moves=i(1, 3), answered=np.array([False, True]), correct=np.array([True, True]), answer_id=i(5, 0),
+        inferred_pair=i(0, 1), pair_correct=np.array([True, False]), end=i(C.E_BUDGET, C.E_NONE),
+        calls=call, reviews=review,
+    )  # fmt: skip
+    stream = Stream(3, 0, i(4, 6), i(0, 1), i(0, 1), ("healthy", "degraded"))
+    schedule = HealthSchedule(6, 2, ((2, 2, 3),))  # agent 2 degraded during task 2
+    trace = {7: {"model_id": "served-weak", "latency_s": 1.5, "parse_status": "retried"}}
+    labels = {"method": "raps", "dataset": "bbh", "seed": 3}  # no pair: a null label column
+    frames = C.frames(out, stream, schedule, PAIR, labels, trace)
+    for name, df in frames.items():
+        assert df.schema == metrics.SCHEMAS[name]
+    assert frames["states"].height == 0
+    calls = frames["calls"].to_dicts()
+    assert [(c["t"], c["kind"]) for c in calls] == [(1, "generate"), (1, "watchdog"), (2, "evaluate"),
+                                                    (2, "compose"), (2, "router")]  # fmt: skip
+    assert [c["score"] for c in calls] == [None, 0.25, None, None, None]  # scored kinds only, NaN -> null
+    assert [c["answer_id"] for c in calls] == [None, None, 0, 2, None]
+    assert [c["correct"] for c in calls] == [None, True, False, True, None]
+    assert [c["model"] for c in calls] == [PAIR.strong.model, "served-weak", PAIR.weak.model,
+                                           PAIR.strong.model, PAIR.strong.model]  # fmt: skip
+    assert [(c["latency_s"], c["parse_status"]) for c in calls] == [(0.0, "ok"), (1.5, "retried")] + [(0.0, "ok")] * 3
+    assert [c["prompt_tokens"] for c in calls] == [10, 20, 30, 40, 50]
+    assert {c["pair"] for c in calls} == {None} and {c["seed"] for c in calls} == {3}
+    reviews = frames["reviews"].to_dicts()
+    assert [(r["t"], r["action"], r["author_degraded"], r["author_model"]) for r in reviews] == [
+        (1, "watchdog", False, "weak"), (2, "evaluate", True, "strong")]  # fmt: skip
+    assert [(r["u1"], r["q0"], r["q"], r["u2"], r["z"]) for r in reviews] == [(0.25, 0.25, 0.25, None, None),
+                                                                               (1.0, 1.0, 1.0, None, None)]  # fmt: skip
+    assert [(r["part_correct"], r["correct_after"], r["committee_a"], r["takeover"]) for r in reviews] == [
+        (False, False, -1, False), (True, True, -1, False)]  # fmt: skip
+    tasks = frames["tasks"].to_dicts()
+    assert [t["route"] for t in tasks] == ["1-2", "3|4-5"]
+    assert [t["actions"] for t in tasks] == ["infer,contribute", "infer,finalize,rerun"]
+    assert [(t["answered"], t["correct"], t["answer_id"]) for t in tasks] == [(False, False, -1), (True, True, 0)]
+    assert [(t["calls"], t["prompt_tokens"], t["completion_tokens"], t["tokens"]) for t in tasks] == [
+        (2, 30, 3, 33), (3, 120, 12, 132)]  # fmt: skip
+    assert [(t["task_type"], t["phase"], t["end"], t["unreviewed"]) for t in tasks] == [
+        (4, 0, "move budget", 0), (6, 1, "", 0)]  # fmt: skip

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from meshheal_jax import metrics, prompts, scoring
+from meshheal_jax import prompts, scoring
 from meshheal_jax.backends.live import CallRequest, CallResponse, SyncLiveClient, request_seed, trace_rows
 from meshheal_jax.backends.live_loop import (
     CACHE_FILE,
@@ -374,15 +374,7 @@ class LiveBaselineHost:
 # A run
 
 
-def run_live_baselines(*args, **kwargs) -> list[dict[str, pl.DataFrame]]:
-    """`live_baseline_tables` with each table as a polars frame (metrics.SCHEMAS columns)."""
-    return [
-        {name: metrics.frame(name, rows[name]) for name in rows}
-        for rows in live_baseline_tables(*args, **kwargs)
-    ]
-
-
-def live_baseline_tables(
+def run_live_baselines(
     method: str,
     specs: list,
     pair,
@@ -391,9 +383,9 @@ def live_baseline_tables(
     run_dir: Path | str | None = None,
     options: LiveOptions | None = None,
     params=None,
-) -> list[dict[str, list[dict]]]:
-    """Run a baseline's streams against live models; per stream the four record tables as lists
-    of row dicts (as `baselines.run_baseline_streams`).
+) -> list[dict[str, pl.DataFrame]]:
+    """Run a baseline's streams against live models; per stream the four record tables as polars
+    frames (metrics.SCHEMAS columns, as `baselines.run_baseline_frames`).
 
     `client`: an open SyncLiveClient (or any object with its `run_batch`; left open) or a
     LiveConfig (opened with a ResponseCache at `cache_path` or run_dir/responses.sqlite, closed
@@ -411,10 +403,14 @@ def live_baseline_tables(
     live, owned = _open_client(client, run_dir) if isinstance(client, LiveConfig) else (client, False)
     host = LiveBaselineHost([R._spec(s) for s in specs], questions, live, options)
     try:
-        tables = R.run_baseline_streams(method, specs, pair, params, live=host)
+        return R.run_baseline_frames(method, specs, pair, params, live=host)
     finally:
         _finish(run_dir, host.trace, live, owned)  # appended: a resumed run keeps the earlier rows
-    return tables
+
+
+def live_baseline_tables(*args, **kwargs) -> list[dict[str, list[dict]]]:
+    """`run_live_baselines` with each table as a list of row dicts (as `baselines.run_baseline_streams`)."""
+    return [{name: df.to_dicts() for name, df in frames.items()} for frames in run_live_baselines(*args, **kwargs)]
 
 
 __all__ = ["CACHE_FILE", "LiveBaselineHost", "live_baseline_tables", "run_live_baselines"]

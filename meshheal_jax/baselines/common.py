@@ -31,8 +31,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import polars as pl
 
 from meshheal_jax import draws as D
+from meshheal_jax import metrics
 from meshheal_jax.device import on_device
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index  # noqa: F401 (re-exported for the methods)
 from meshheal_jax.errors import MeshHealError
@@ -178,7 +180,10 @@ def _stream_extras_impl(seed, dataset_id, n_tasks: int):
     return jax.vmap(extra_uniforms, in_axes=(None, None, 0))(seed, dataset_id, ts)
 
 
-_stream_extras = cpu_jit(_stream_extras_impl, static_argnums=(2,))
+# Not cpu_jit: the extras are threefry bits (integer ops, the same bits at any optimisation level),
+# and unoptimised they ran 7x slower (31 against 4.6 ms per 504-task stream, which every method
+# pays for every stream) for 0.6 s less compile.
+_stream_extras = jax.jit(_stream_extras_impl, static_argnums=(2,))
 
 
 def stream_uniforms(seed: int, dataset_id: int, n_tasks: int) -> TaskUniforms:
@@ -780,72 +785,101 @@ def path_route(path: Path) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 
 
-def _maybe(x, none_if):
-    return None if none_if else x
+def frames(
+    out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict, trace: dict | None = None
+) -> dict[str, pl.DataFrame]:
+    """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as polars frames with the
+    columns of metrics.SCHEMAS, built column by column (a row is a task, a valid call slot, a
+    valid review slot; rows in task order, then slot order). `trace` (live): request id -> the
+    live trace row, whose model, latency and parse status the calls table takes."""
+    degraded = schedule.degraded_matrix()
+    c = out.calls
+    k, slot = np.nonzero(c.valid)
+    kind = c.kind[k, slot]
+    score = c.score[k, slot].astype(np.float64)
+    answer_id = c.answer_id[k, slot].astype(np.int64)
+    correct = c.correct[k, slot]
+    model = np.asarray((pair.strong.model, pair.weak.model), dtype=object)[c.role[k, slot]]
+    latency, status = np.zeros(len(k)), np.full(len(k), "ok", dtype=object)
+    if trace is not None:
+        for i, request in enumerate(c.request[k, slot].tolist()):
+            real = trace.get(request)
+            if real is not None:
+                model[i], latency[i], status[i] = real["model_id"], real["latency_s"], real["parse_status"]
+    calls = {
+        "t": k + 1, "visit": c.visit[k, slot], "kind": np.asarray(KINDS, dtype=object)[kind],
+        "agent": c.agent[k, slot], "author": c.author[k, slot], "ability": c.ability[k, slot], "model": model,
+        "prompt_tokens": c.prompt[k, slot], "completion_tokens": c.completion[k, slot], "latency_s": latency,
+        "parse_status": status, "score": _nulls(score, ~np.isin(kind, SCORED_KINDS) | np.isnan(score)),
+        "answer_id": _nulls(answer_id, answer_id < 0), "correct": _nulls(correct == 1, correct < 0),
+    }  # fmt: skip
+    r = out.reviews
+    k, slot = np.nonzero(r.valid)
+    author = r.author[k, slot]
+    score = r.score[k, slot].astype(np.float64)
+    ok = r.correct[k, slot].astype(bool)
+    reviews = {
+        "t": k + 1, "visit": r.visit[k, slot], "action": np.asarray(REVIEW_ACTIONS, dtype=object)[r.action[k, slot]],
+        "author": author, "ability": r.ability[k, slot], "author_degraded": degraded[k + 1, author],
+        "author_model": np.asarray(ROLE_NAMES, dtype=object)[r.author_role[k, slot]], "part_correct": ok,
+        "probe": False, "reviewer": r.reviewer[k, slot], "u1": score, "q0": score, "committee": False,
+        "committee_a": -1, "committee_b": -1, "q": score, "takeover": False, "correct_before": ok,
+        "correct_after": ok,
+    }  # fmt: skip
+    valid = c.valid
+    prompt = np.where(valid, c.prompt, 0).sum(axis=1)
+    completion = np.where(valid, c.completion, 0).sum(axis=1)
+    answered = out.answered.astype(bool)
+    tasks = {
+        "t": np.arange(1, stream.n_tasks + 1), "task_type": stream.task_type, "phase": stream.phase,
+        "entry": out.entry, "route": [_route_text(route) for route in out.route.tolist()],
+        "actions": [",".join(ACTIONS[a] for a in row if a >= 0) for row in out.actions.tolist()],
+        "moves": out.moves, "answered": answered, "correct": out.correct.astype(bool) & answered,
+        "answer_id": np.where(answered, out.answer_id, -1), "inferred_pair": out.inferred_pair,
+        "pair_correct": out.pair_correct.astype(bool), "unreviewed": 0,
+        "end": np.asarray(ENDS, dtype=object)[out.end], "calls": valid.sum(axis=1), "prompt_tokens": prompt,
+        "completion_tokens": completion, "tokens": prompt + completion,
+    }  # fmt: skip
+    return {name: _frame(name, columns, labels)
+            for name, columns in (("tasks", tasks), ("reviews", reviews), ("states", {}), ("calls", calls))}  # fmt: skip
 
 
 def tables(
     out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict, trace: dict | None = None
 ) -> dict[str, list[dict]]:
-    """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as lists of row dicts.
-    `trace` (live): request id -> the live trace row, whose model, latency and parse status the
-    calls table takes."""
-    models = (pair.strong.model, pair.weak.model)
-    degraded = schedule.degraded_matrix()
-    calls_rows, review_rows, task_rows = [], [], []
-    c = out.calls
-    for k, slot in zip(*np.nonzero(c.valid)):
-        t = int(k) + 1
-        kind = int(c.kind[k, slot])
-        score = float(c.score[k, slot])
-        answer_id = int(c.answer_id[k, slot])
-        correct = int(c.correct[k, slot])
-        real = trace.get(int(c.request[k, slot])) if trace is not None else None
-        model = real["model_id"] if real is not None else models[int(c.role[k, slot])]
-        latency, status = (real["latency_s"], real["parse_status"]) if real is not None else (0.0, "ok")
-        calls_rows.append(dict(
-            labels, t=t, visit=int(c.visit[k, slot]), kind=KINDS[kind], agent=int(c.agent[k, slot]),
-            author=int(c.author[k, slot]), ability=int(c.ability[k, slot]), model=model,
-            prompt_tokens=int(c.prompt[k, slot]), completion_tokens=int(c.completion[k, slot]), latency_s=latency,
-            parse_status=status, score=_maybe(score, kind not in SCORED_KINDS or np.isnan(score)),
-            answer_id=_maybe(answer_id, answer_id < 0), correct=_maybe(bool(correct), correct < 0),
-        ))  # fmt: skip
-    r = out.reviews
-    for k, slot in zip(*np.nonzero(r.valid)):
-        t = int(k) + 1
-        author = int(r.author[k, slot])
-        score = float(r.score[k, slot])
-        ok = bool(r.correct[k, slot])
-        review_rows.append(dict(
-            labels, t=t, visit=int(r.visit[k, slot]), action=REVIEW_ACTIONS[int(r.action[k, slot])], author=author,
-            ability=int(r.ability[k, slot]), author_degraded=bool(degraded[t, author]),
-            author_model=ROLE_NAMES[int(r.author_role[k, slot])], part_correct=ok, probe=False,
-            reviewer=int(r.reviewer[k, slot]), u1=score, u2=None, u3=None, q0=score, s_u=None, committee=False,
-            committee_a=-1, committee_b=-1, v_a1=None, v_b1=None, v_a=None, v_b=None, q=score, takeover=False,
-            correct_before=ok, correct_after=ok, z=None, state_before=None, state_after=None,
-        ))  # fmt: skip
-    n_calls = c.valid.sum(axis=1)
-    prompt = np.where(c.valid, c.prompt, 0).sum(axis=1)
-    completion = np.where(c.valid, c.completion, 0).sum(axis=1)
-    for k in range(stream.n_tasks):
-        executions, current = [], []
-        for a in out.route[k]:
-            if a == ROUTE_SEP:
-                executions.append(current)
-                current = []
-            elif a >= 0:
-                current.append(str(int(a)))
-        if current:
+    """`frames` as lists of row dicts (every column of metrics.SCHEMAS; null as None)."""
+    return {name: df.to_dicts() for name, df in frames(out, stream, schedule, pair, labels, trace).items()}
+
+
+def _nulls(values: np.ndarray, null: np.ndarray) -> pl.Series:
+    """values with null where `null` is True."""
+    return pl.Series(values).scatter(np.flatnonzero(null), None)
+
+
+def _route_text(route: list[int]) -> str:
+    """A task's route as text: agents joined by '-', executions (split at ROUTE_SEP) by '|'; the
+    -1 padding and empty executions dropped."""
+    executions, current = [], []
+    for a in route:
+        if a == ROUTE_SEP:
             executions.append(current)
-        answered = bool(out.answered[k])
-        task_rows.append(dict(
-            labels, t=k + 1, task_type=int(stream.task_type[k]), phase=int(stream.phase[k]), entry=int(out.entry[k]),
-            route="|".join("-".join(e) for e in executions if e),
-            actions=",".join(ACTIONS[int(a)] for a in out.actions[k] if a >= 0), moves=int(out.moves[k]),
-            answered=answered, correct=bool(out.correct[k]) and answered,
-            answer_id=int(out.answer_id[k]) if answered else -1, inferred_pair=int(out.inferred_pair[k]),
-            pair_correct=bool(out.pair_correct[k]), unreviewed=0, end=ENDS[int(out.end[k])],
-            calls=int(n_calls[k]), prompt_tokens=int(prompt[k]), completion_tokens=int(completion[k]),
-            tokens=int(prompt[k]) + int(completion[k]),
-        ))  # fmt: skip
-    return {"tasks": task_rows, "reviews": review_rows, "states": [], "calls": calls_rows}
+            current = []
+        elif a >= 0:
+            current.append(str(a))
+    executions.append(current)
+    return "|".join("-".join(e) for e in executions if e)
+
+
+def _frame(name: str, columns: dict, labels: dict) -> pl.DataFrame:
+    """A table's frame in metrics.SCHEMAS order and types: `columns` (arrays, or scalars repeated
+    on every row), the labels' values on every row, null in every other column."""
+    schema = metrics.SCHEMAS[name]
+    height = max((len(v) for v in columns.values() if not np.isscalar(v)), default=0)
+
+    def column(key: str, dtype) -> pl.Series:
+        value = columns[key] if key in columns else labels.get(key)
+        if value is None or np.isscalar(value):
+            return pl.repeat(value, height, dtype=dtype, eager=True).alias(key)
+        return pl.Series(key, value).cast(dtype)
+
+    return pl.DataFrame([column(key, dtype) for key, dtype in schema.items()])

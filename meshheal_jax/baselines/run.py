@@ -2,8 +2,9 @@
 `vmap` over streams (seeds × datasets), then the records as `metrics.SCHEMAS` rows. The experiments
 (`python -m meshheal_jax.main` / `recovery`, through `runner.run`) call this for every baseline.
 
-    tables = run_baseline_streams("raps", specs, "default")
-    tables[0]["tasks"]  # list of row dicts with exactly the columns of metrics.SCHEMAS["tasks"]
+    frames = run_baseline_frames("raps", specs, "default")
+    frames[0]["tasks"]  # a polars frame with exactly the columns of metrics.SCHEMAS["tasks"]
+    run_baseline_streams("raps", specs, "default")[0]["tasks"]  # the same as a list of row dicts
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import polars as pl
 
 from meshheal_jax.baselines import agentnet, autogen, raps, sac, symphony
 from meshheal_jax.baselines import common as C
@@ -141,11 +143,9 @@ def _run_live(host, program):
     return result["out"]
 
 
-def run_baseline_streams(
-    method: str, specs: list, pair: Pair | str, params=None, live=None
-) -> list[dict[str, list[dict]]]:
+def run_baseline_frames(method: str, specs: list, pair: Pair | str, params=None, live=None) -> list[dict[str, pl.DataFrame]]:
     """Run `method` on every stream (one compiled, vmapped program); per stream the four tables
-    (tasks, reviews, states, calls) as lists of row dicts with the columns of metrics.SCHEMAS.
+    (tasks, reviews, states, calls) as polars frames with the columns of metrics.SCHEMAS.
 
     specs: objects with .network, .stream, .schedule, .labels (or 4-tuples in that order); labels
     carry method / dataset / pair / seed (method defaults to the baseline's name)."""
@@ -156,5 +156,13 @@ def run_baseline_streams(
     for k, spec in enumerate(_spec(s) for s in specs):
         labels = {"method": method, **spec.labels}
         one = jax.tree_util.tree_map(lambda x, k=k: x[k], outs)
-        results.append(C.tables(one, spec.stream, spec.schedule, pair, labels, trace))
+        results.append(C.frames(one, spec.stream, spec.schedule, pair, labels, trace))
     return results
+
+
+def run_baseline_streams(
+    method: str, specs: list, pair: Pair | str, params=None, live=None
+) -> list[dict[str, list[dict]]]:
+    """`run_baseline_frames` with each table as a list of row dicts (every column; null as None)."""
+    return [{name: df.to_dicts() for name, df in frames.items()}
+            for frames in run_baseline_frames(method, specs, pair, params, live)]  # fmt: skip
