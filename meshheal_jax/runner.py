@@ -19,7 +19,7 @@ import importlib.metadata
 import json
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import polars as pl
@@ -502,29 +502,24 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                 bar.update(job, description=f"{exp.name}: meshheal {dataset} pair={pair} seed={seed}")
                 keep(("meshheal", dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
                 bar.advance(job)
-        else:
+        else:  # the JAX batches: MeshHeal's (one per pair) and every baseline's, side by side
+            jobs = []
             for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
                 batch = [s for s in mine if s[1] == pair]
-                if not batch:
-                    continue
-                bar.update(
-                    job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams"
-                )
+                if batch:
 
-                def tick(done: int, total: int, batch=batch, pair=pair) -> None:
-                    bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, {len(batch)} streams, "
-                                                f"{done:,}/{total:,} tasks")  # fmt: skip
+                    def tick(done: int, total: int, batch=batch, pair=pair) -> None:
+                        bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, "
+                                                    f"{len(batch)} streams, {done:,}/{total:,} tasks")  # fmt: skip
 
-                for stream, frames in zip(batch, run_jax_streams(exp, batch, tick, lanes)):
-                    keep(("meshheal", *stream), frames)
-                    bar.advance(job)
-        for method in exp.baselines():  # one compiled program per method (and pair)
-            for pair in exp.pairs:
-                batch = [s[1:] for s in todo if s[0] == method and s[2] == pair]
-                if not batch:
-                    continue
-                bar.update(job, description=f"{exp.name}: {method}, pair={pair}, {len(batch)} streams")
-                for stream, frames in zip(batch, run_baseline_streams(exp, method, batch, run_dir)):
+                    jobs.append(("meshheal", batch, functools.partial(run_jax_streams, exp, batch, tick, lanes)))
+            jobs += _baseline_jobs(exp, todo, run_dir)
+            bar.update(job, description=f"{exp.name}: {len(jobs)} compiled batches (meshheal, baselines)")
+            _run_side_by_side(jobs, keep, lambda: bar.advance(job))
+        if exp.backend == "live" or exp.engine == "reference":
+            for method, batch, run_batch in _baseline_jobs(exp, todo, run_dir):
+                bar.update(job, description=f"{exp.name}: {method}, pair={batch[0][1]}, {len(batch)} streams")
+                for stream, frames in zip(batch, run_batch()):
                     keep((method, *stream), frames)
                     bar.advance(job)
 
@@ -543,6 +538,47 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
             written.result()  # a failed write surfaces (chained to a failed summary, if any)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
+
+
+def _baseline_jobs(exp: Experiment, todo: list[tuple], run_dir: Path) -> list[tuple[str, list[tuple], functools.partial]]:
+    """(method, streams, run) per baseline and pair with streams left to run: one compiled program each."""
+    jobs = []
+    for method in exp.baselines():
+        for pair in exp.pairs:
+            batch = [s[1:] for s in todo if s[0] == method and s[2] == pair]
+            if batch:
+                jobs.append((method, batch, functools.partial(run_baseline_streams, exp, method, batch, run_dir)))
+    return jobs
+
+
+def _run_side_by_side(jobs: list[tuple], keep, advance) -> None:
+    """Run the batches `jobs` ((method, streams, run) each) in threads, as many at once as this
+    process has CPU cores (docs/decisions.md R5): one batch's tracing (Python, under the GIL) runs
+    while another compiles or runs (XLA, without it). Each batch's streams are kept the moment it
+    ends; a failed batch does not stop the others, and the first error is raised once they have
+    ended and been kept. Each batch is one pure program, so results equal one-at-a-time runs."""
+    if not jobs:
+        return
+    from meshheal_jax import engine
+
+    errors = []
+    with ThreadPoolExecutor(engine.default_lanes(len(jobs)), thread_name_prefix="meshheal-batch") as pool:
+        futures = {pool.submit(run): (method, batch) for method, batch, run in jobs}
+        try:
+            for done in as_completed(futures):
+                method, batch = futures[done]
+                if done.exception() is not None:
+                    errors.append(done.exception())
+                    continue
+                for stream, frames in zip(batch, done.result()):
+                    keep((method, *stream), frames)
+                    advance()
+        except BaseException:  # Ctrl-C: no batch that has not started will start
+            for future in futures:
+                future.cancel()
+            raise
+    if errors:
+        raise errors[0]
 
 
 def _without_isolation(m: dict) -> dict:

@@ -8,6 +8,7 @@ and an unknown method refused with one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -220,3 +221,31 @@ def test_a_run_folder_of_the_one_method_layout_is_refused(tmp_path):
     )
     with pytest.raises(runner.MeshHealError, match="older layout"):
         runner.prepare_run_dir(main_experiment(), out)
+
+
+def test_jax_batches_side_by_side_keep_what_finished_when_one_fails(tmp_path, monkeypatch):
+    """JAX engine: MeshHeal's batch and the baselines' run side by side (decisions R5). A failed
+    batch does not lose the others' streams: they are written, the error is raised, and the rerun
+    runs only the failed batch's streams; the result equals an uninterrupted run's."""
+    exp = dataclasses.replace(main_experiment(), engine="jax", methods=("meshheal", "raps", "sac"), seeds=(0,))
+    baseline = runner.run_baseline_streams
+
+    def failing(exp_, method, streams, *rest):
+        if method == "raps":
+            raise RuntimeError("raps batch failed")
+        return baseline(exp_, method, streams, *rest)
+
+    monkeypatch.setattr(runner, "run_baseline_streams", failing)
+    with pytest.raises(RuntimeError, match="raps batch failed"):
+        runner.run(exp, tmp_path / "run", progress=False)
+    parts = sorted(p.name for p in (tmp_path / "run" / "parts").iterdir())
+    assert parts == [f"{m}-{d}-default-seed0" for m in ("meshheal", "sac") for d in ("bbh", "math")]
+    ran = []
+    monkeypatch.setattr(runner, "run_baseline_streams",
+                        lambda exp_, m, streams, *rest: ran.extend((m, *s) for s in streams) or baseline(exp_, m, streams, *rest))  # fmt: skip
+    resumed = runner.run(exp, tmp_path / "run", progress=False)
+    assert ran == [("raps", "bbh", "default", 0), ("raps", "math", "default", 0)]
+    whole = runner.run(exp, tmp_path / "whole", progress=False)
+    assert resumed.summary == whole.summary
+    for name in TABLES:
+        assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
