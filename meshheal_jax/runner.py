@@ -2,8 +2,9 @@
 
 A stream is (method, dataset, pair, seed). MeshHeal streams run on the chosen engine (jax: one
 vmapped program per pair; reference: one at a time); a baseline's streams run through
-`baselines.run_baseline_streams` (one compiled program per method and pair, its datasets and seeds
-vmapped). Every method sees the same task order, entries and draws for a given (dataset, seed).
+`baselines.run_baseline_frames` (one compiled program per method and pair, its datasets and seeds
+vmapped). With the JAX engine these batches run side by side, one thread per core (decisions R5).
+Every method sees the same task order, entries and draws for a given (dataset, seed).
 
 A run folder holds config.json, parts/<method>-<dataset>-<pair>-seed<k>/ (one finished stream
 each, written atomically), the merged tasks/reviews/states/calls parquet files and summary.json.
