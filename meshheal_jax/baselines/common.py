@@ -844,13 +844,6 @@ def frames(
             for name, columns in (("tasks", tasks), ("reviews", reviews), ("states", {}), ("calls", calls))}  # fmt: skip
 
 
-def tables(
-    out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict, trace: dict | None = None
-) -> dict[str, list[dict]]:
-    """`frames` as lists of row dicts (every column of metrics.SCHEMAS; null as None)."""
-    return {name: df.to_dicts() for name, df in frames(out, stream, schedule, pair, labels, trace).items()}
-
-
 def _nulls(values: np.ndarray, null: np.ndarray) -> pl.Series:
     """values with null where `null` is True."""
     return pl.Series(values).scatter(np.flatnonzero(null), None)
