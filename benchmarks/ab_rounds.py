@@ -33,6 +33,7 @@ def arm(args: argparse.Namespace) -> None:
     """One arm: build, warm up, then one turn per 'go' line on stdin, its seconds per round on stdout."""
     sys.path.insert(0, str(Path.cwd() / "benchmarks"))
     import jax
+    import jax.numpy as jnp
     import sim_throughput as B
 
     from meshheal_jax import engine
@@ -47,7 +48,7 @@ def arm(args: argparse.Namespace) -> None:
     for line in sys.stdin:
         if line.strip() != "go":
             break
-        carry = start
+        carry = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, start))  # run_rounds may donate it
         t0 = time.perf_counter()
         for _ in range(args.chunks):
             carry, records = engine.run_rounds(cfg, params, worlds, carry, args.rounds, batched)

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_throughput as B
@@ -150,19 +151,24 @@ def main() -> None:
         carry, _ = engine.run_rounds(cfg, params, worlds, carry, args.rounds, batched)
     jax.block_until_ready(carry)
 
-    def chunk():
-        out = engine.run_rounds(cfg, params, worlds, carry, args.rounds, batched)
+    def fresh():  # run_rounds donates the carry it is given: each chunk gets its own copy
+        return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, carry))
+
+    def chunk(start_carry):
+        out = engine.run_rounds(cfg, params, worlds, start_carry, args.rounds, batched)
         jax.block_until_ready(out)
         return out
 
+    first = fresh()
     start = time.perf_counter()
-    after, _ = chunk()
+    after, _ = chunk(first)
     seconds = time.perf_counter() - start
     finished = B.tasks_finished(cfg, after) - B.tasks_finished(cfg, carry)
 
+    second = fresh()
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            chunk()
+            chunk(second)
         own, count = self_times(next(Path(tmp).rglob("*.trace.json.gz")))
     fold_ends(own, count)
 

@@ -1393,10 +1393,14 @@ TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace p
 # are unchanged (no fast math at any level), so results are identical.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5), compiler_options=COMPILER_OPTIONS)
+# The carry is donated (decisions S9): XLA updates the network's windows and the slots in place
+# instead of copying the whole carry in at every call; a caller must not read a carry it passed.
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(3,), compiler_options=COMPILER_OPTIONS)
 def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
     """n_rounds rounds of every stream (leading stream axis on world and carry; on p too when
-    params_batched, as when datasets differ in p_part or a parameter grid is swept)."""
+    params_batched, as when datasets differ in p_part or a parameter grid is swept). The carry
+    passed in is donated: its buffers are reused for the returned carry and must not be read again
+    (copy it first to keep it)."""
     TRACES["run_rounds"] += 1
 
     def step(p, world, carry):
