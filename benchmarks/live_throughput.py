@@ -671,8 +671,10 @@ def section_c(stand_in: FixedLatencyStandIn, latency: float, n_agents: int, n_ta
         server = stand_in.stats()
         batches = client.batches
         in_batches = sum(end - start for start, end, _, _ in batches)
-        # the first round traces and compiles both jitted halves (begin before the first batch,
-        # absorb after it): reported apart, replaced by the median gap of the other rounds
+        # the first round traces and compiles both jitted halves (begin before the first batch;
+        # absorb on a worker thread from the start, waited for after the first batch if not yet
+        # done): reported apart, replaced by the median gap of the other rounds. model_calls are
+        # the calls table's rows: a retried request (parse failure) is one call, two requests
         gaps = (
             [batches[0][0] - t0]
             + [b[0] - a[1] for a, b in itertools.pairwise(batches)]
@@ -937,7 +939,8 @@ def print_table(table: dict) -> None:
 
 
 def targets(tables: dict, in_flight: int, latency: float, ratio_latency: float) -> list[dict]:
-    """The issue's two targets, with whether this run used the configuration they are stated for."""
+    """The issue's two targets (the second read two ways: HTTP requests and model calls), with whether
+    this run used the configuration they are stated for."""
     out = []
     b = tables.get("b")
     if b and b["rows"]:

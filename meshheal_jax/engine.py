@@ -30,7 +30,7 @@ from meshheal_jax import draws as D
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.device import on_device, stack
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import Cancelled, MeshHealError
 from meshheal_jax.metrics import SCHEMAS
 from meshheal_jax.params import ANCHORS, CALL_KINDS, JUDGED_RIGHT_ON_WRONG_DRAFT, Pair, threshold_table
 from meshheal_jax.streams import HealthSchedule, Stream
@@ -1566,9 +1566,11 @@ def check_lanes(lanes: int, mesh: jax.sharding.Mesh | None) -> None:
 
 def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool, chunk: int | None = None,
               tables: tuple[str, ...] = TABLES, lanes: int | None = None, mesh: jax.sharding.Mesh | None = None,
-              on_progress=None, timings: dict | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+              on_progress=None, timings: dict | None = None,
+              cancel: threading.Event | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """The host loop: the streams' rounds, `chunk` per compiled call, until every stream is done;
-    per stream the record tables named in `tables`.
+    per stream the record tables named in `tables`. `cancel`: set by another thread to stop the
+    lanes at their next chunk; the call then raises errors.Cancelled.
 
     params: one Params for every stream, or (batched) a list with one per stream. chunk: default
     `default_chunk` of a lane's width. The streams are split into `lanes` (default `default_lanes`) groups of equal width (`lane_streams`) run side by side, each by its own
@@ -1603,7 +1605,7 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         kept: list[list[dict]] = [[] for _ in range(real)]
         clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
         while not done(cfg, carry).all():
-            if stop.is_set():
+            if stop.is_set() or (cancel is not None and cancel.is_set()):
                 return None
             start = time.perf_counter()
             carry, records = run_rounds(cfg, p, world, carry, chunk, batched)
@@ -1631,6 +1633,8 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
             except BaseException:  # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
                 stop.set()
                 raise
+    if any(lane_out is None for lane_out in finished):
+        raise Cancelled(f"run_batch cancelled before its {len(specs)} streams were done")
     if timings is not None:
         stages = ("first_call", "other_calls", "records")
         timings.update(max((c for _, c in finished), key=lambda c: sum(c[k] for k in stages)), lanes=len(groups))
@@ -1639,21 +1643,22 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
 
 def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int | None = None,
                 tables: tuple[str, ...] = TABLES, on_progress=None, shard: bool | None = None,
-                lanes: int | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+                lanes: int | None = None, cancel: threading.Event | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """Run streams of one shape, `chunk` rounds per compiled call, in `lanes` lanes side by side
     (`run_batch`'s defaults: `default_chunk` of a lane's width, `default_lanes`, one per CPU core).
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
     With several devices (`stream_mesh(shard)`), the streams are sharded over them in one lane;
     when their number is not a multiple of the devices, the last stream is repeated to fill the
-    mesh and its copies are dropped."""
+    mesh and its copies are dropped. `cancel`: as `run_batch`'s."""
     cfg = engine_config(specs, protocol, slots)
     batched = params_per_stream(specs)
     if batched:
         params = [make_params(protocol, s.pair, s.network.profile, cfg.n_agents) for s in specs]
     else:
         params = make_params(protocol, specs[0].pair, specs[0].network.profile, cfg.n_agents)
-    return run_batch(cfg, specs, params, batched, chunk, tables, lanes, stream_mesh(shard), on_progress)
+    return run_batch(cfg, specs, params, batched, chunk, tables, lanes, stream_mesh(shard), on_progress,
+                     cancel=cancel)  # fmt: skip
 
 
 def _empty(table: str) -> pl.DataFrame:

@@ -6,3 +6,7 @@ CLIs catch it, print its one-line message and exit with status 2; nothing is hal
 
 class MeshHealError(ValueError):
     """Bad input named precisely: a profile, graph, schedule, config or data problem."""
+
+
+class Cancelled(Exception):
+    """A run stopped on request from another thread (the runner's Ctrl-C), not an input problem."""

@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -361,10 +362,12 @@ def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> 
 
 
 def run_jax_streams(
-    exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None, lanes: int | None = None
+    exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None, lanes: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[dict[str, pl.DataFrame]]:
     """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program,
-    in `lanes` lanes side by side (engine.run_streams; default one per CPU core)."""
+    in `lanes` lanes side by side (engine.run_streams; default one per CPU core). `cancel`: set
+    from another thread to stop at the next chunk (errors.Cancelled)."""
     from meshheal_jax import engine  # imported here: the reference path needs no compilation
 
     specs = []
@@ -372,7 +375,7 @@ def run_jax_streams(
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
     return engine.run_streams(
-        specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress, lanes=lanes
+        specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress, lanes=lanes, cancel=cancel
     )
 
 
@@ -504,7 +507,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                 keep(("meshheal", dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
                 bar.advance(job)
         else:  # the JAX batches: MeshHeal's (one per pair) and every baseline's, side by side
-            jobs = []
+            jobs, cancel = [], threading.Event()
             for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
                 batch = [s for s in mine if s[1] == pair]
                 if batch:
@@ -513,10 +516,11 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                         bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, "
                                                     f"{len(batch)} streams, {done:,}/{total:,} tasks")  # fmt: skip
 
-                    jobs.append(("meshheal", batch, functools.partial(run_jax_streams, exp, batch, tick, lanes)))
+                    jobs.append(("meshheal", batch,
+                                 functools.partial(run_jax_streams, exp, batch, tick, lanes, cancel)))  # fmt: skip
             jobs += _baseline_jobs(exp, todo, run_dir)
             bar.update(job, description=f"{exp.name}: {len(jobs)} compiled batches (meshheal, baselines)")
-            _run_side_by_side(jobs, keep, lambda: bar.advance(job))
+            _run_side_by_side(jobs, keep, lambda: bar.advance(job), cancel)
         if exp.backend == "live" or exp.engine == "reference":
             for method, batch, run_batch in _baseline_jobs(exp, todo, run_dir):
                 bar.update(job, description=f"{exp.name}: {method}, pair={batch[0][1]}, {len(batch)} streams")
@@ -552,33 +556,52 @@ def _baseline_jobs(exp: Experiment, todo: list[tuple], run_dir: Path) -> list[tu
     return jobs
 
 
-def _run_side_by_side(jobs: list[tuple], keep, advance) -> None:
+def _run_side_by_side(jobs: list[tuple], keep, advance, cancel: threading.Event) -> None:
     """Run the batches `jobs` ((method, streams, run) each) in threads, as many at once as this
     process has CPU cores (docs/decisions.md R5): one batch's tracing (Python, under the GIL) runs
     while another compiles or runs (XLA, without it). Each batch's streams are kept the moment it
-    ends; a failed batch does not stop the others, and the first error is raised once they have
-    ended and been kept. Each batch is one pure program, so results equal one-at-a-time runs."""
+    ends; a failed batch does not stop the others, and the first error is raised (the others'
+    added to it as notes) once they have ended and been kept. Ctrl-C sets `cancel`: batches not
+    started never start, MeshHeal's stop at their next chunk (the jobs were given `cancel`), the
+    batches that finish meanwhile are kept, then KeyboardInterrupt is raised; a second Ctrl-C
+    stops the waiting. Each batch is one pure program, so results equal one-at-a-time runs."""
     if not jobs:
         return
+    import meshheal_jax.baselines.run  # noqa: F401 -- imported here once, not by several threads at once
     from meshheal_jax import engine
 
-    errors = []
-    with ThreadPoolExecutor(engine.default_lanes(len(jobs)), thread_name_prefix="meshheal-batch") as pool:
-        futures = {pool.submit(run): (method, batch) for method, batch, run in jobs}
-        try:
-            for done in as_completed(futures):
-                method, batch = futures[done]
-                if done.exception() is not None:
-                    errors.append(done.exception())
-                    continue
-                for stream, frames in zip(batch, done.result()):
-                    keep((method, *stream), frames)
-                    advance()
-        except BaseException:  # Ctrl-C: no batch that has not started will start
-            for future in futures:
-                future.cancel()
-            raise
+    errors: list[BaseException] = []
+
+    def collect(done) -> None:
+        method, batch = futures[done]
+        if done.cancelled():
+            return
+        if done.exception() is not None:
+            errors.append(done.exception())
+            return
+        for stream, frames in zip(batch, done.result()):
+            keep((method, *stream), frames)
+            advance()
+
+    pool = ThreadPoolExecutor(engine.default_lanes(len(jobs)), thread_name_prefix="meshheal-batch")
+    futures = {pool.submit(run): (method, batch) for method, batch, run in jobs}
+    waiting = set(futures)
+    try:
+        for done in as_completed(futures):
+            waiting.discard(done)
+            collect(done)
+    except BaseException:
+        cancel.set()
+        for future in waiting:
+            future.cancel()
+        for done in as_completed(waiting):
+            collect(done)
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"another batch failed too: {type(other).__name__}: {other}")
         raise errors[0]
 
 

@@ -138,3 +138,15 @@ def test_a_failing_lane_stops_the_others_and_raises():
         engine.run_batch(cfg, specs, params, False, 64, engine.TABLES, 2, on_progress=progress)
     # the first lane, whose result the caller waits for first, stopped at its next chunk
     assert sum(name.endswith("_0") for name in calls) <= 3
+
+
+def test_a_cancelled_batch_raises_cancelled():
+    """run_batch's `cancel` (the runner sets it on Ctrl-C): the lanes stop at their next chunk."""
+    from meshheal_jax.errors import Cancelled
+
+    cancel = threading.Event()
+    cancel.set()
+    exp = runner.Experiment(name="main", datasets=("bbh",), pairs=("default",), seeds=(0, 1), n_tasks=84)
+    specs = _specs(exp)
+    with pytest.raises(Cancelled):
+        engine.run_streams(specs, exp.protocol, lanes=2, cancel=cancel)

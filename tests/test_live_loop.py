@@ -329,6 +329,7 @@ def test_absorb_compiled_ahead_is_the_one_the_loop_calls():
     params = engine.make_params(ProtocolParams(), specs[0].pair, PROFILE, cfg.n_agents)
     worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, 5) for s in specs])  # K = 5: complete, 6 agents
     carry = engine.initial_carries(cfg, worlds)
+    live_loop._absorb.clear_cache()  # whatever earlier tests compiled
     before = dict(live_loop.TRACES)
     with ThreadPoolExecutor(1) as pool:
         assert live_loop._compile_absorb(pool, cfg, params, worlds, carry, False).result() is None

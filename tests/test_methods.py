@@ -249,3 +249,53 @@ def test_jax_batches_side_by_side_keep_what_finished_when_one_fails(tmp_path, mo
     assert resumed.summary == whole.summary
     for name in TABLES:
         assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
+
+
+def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
+    """decisions R5: an interrupt in the main thread sets `cancel`; a running batch that sees it
+    ends, and what it returns is kept before KeyboardInterrupt is raised."""
+    import threading
+
+    from meshheal_jax import engine
+
+    if engine.default_lanes(2) < 2:
+        pytest.skip("needs two cores: both batches running at once")
+    cancel, kept, seen = threading.Event(), [], {}
+
+    def keep(stream, frames):
+        kept.append((stream, frames))
+        if stream == ("fast", "s"):
+            raise KeyboardInterrupt  # Ctrl-C arrives while the first finished batch is kept
+
+    started = threading.Event()
+
+    def slow():
+        started.set()
+        seen["cancel"] = cancel.wait(30)
+        return ["slow frames"]
+
+    def fast():
+        started.wait(30)  # both running (two threads on any machine with two cores or more)
+        return ["fast frames"]
+
+    jobs = [("fast", [("s",)], fast), ("slow", [("s",)], slow)]
+    with pytest.raises(KeyboardInterrupt):
+        runner._run_side_by_side(jobs, keep, lambda: None, cancel)
+    assert seen == {"cancel": True}
+    assert kept == [(("fast", "s"), "fast frames"), (("slow", "s"), "slow frames")]
+
+
+def test_every_failed_batch_is_named():
+    def fail(message):
+        def run():
+            raise RuntimeError(message)
+
+        return run
+
+    import threading
+
+    with pytest.raises(RuntimeError) as info:
+        runner._run_side_by_side([("a", [("s",)], fail("a failed")), ("b", [("s",)], fail("b failed"))],
+                                 lambda *_: None, lambda: None, threading.Event())  # fmt: skip
+    text = str(info.value) + " ".join(getattr(info.value, "__notes__", []))
+    assert "a failed" in text and "b failed" in text

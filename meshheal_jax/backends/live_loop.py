@@ -612,8 +612,10 @@ def run_live_streams(
             for s, k in zip(*np.nonzero(records.finished_mask)):  # finished tasks leave the store
                 store.pop((int(s), int(records.finished.t[s, k])), None)
     finally:
-        compiling.shutdown(wait=True)  # an interrupted run leaves no compile thread behind
-        _finish(run_dir, trace, live, owned)
+        try:
+            _finish(run_dir, trace, live, owned)  # first: the trace and the client do not wait on a compile
+        finally:
+            compiling.shutdown(wait=True)  # an interrupted run leaves no compile thread behind
 
     stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=1), *rounds)  # (streams, rounds, S, ...)
     real_stacked = {key: np.stack([r[key] for r in real], axis=1) for key in real[0]}
