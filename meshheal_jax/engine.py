@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import jax
 import jax.numpy as jnp
@@ -1629,6 +1630,8 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         with ThreadPoolExecutor(len(groups), thread_name_prefix="meshheal-lane") as pool:
             try:
                 futures = [pool.submit(lane, k, members) for k, members in enumerate(groups)]
+                while futures_wait(futures, timeout=0.2).not_done:
+                    pass  # short waits: Ctrl-C reaches the main thread only while it runs Python
                 finished = [future.result() for future in futures]
             except BaseException:  # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
                 stop.set()

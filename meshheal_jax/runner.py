@@ -21,7 +21,7 @@ import json
 import shutil
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import polars as pl
@@ -583,19 +583,23 @@ def _run_side_by_side(jobs: list[tuple], keep, advance, cancel: threading.Event)
             keep((method, *stream), frames)
             advance()
 
+    def drain() -> None:  # in short waits: a signal reaches the main thread only while it runs Python
+        while waiting:
+            done, _ = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                waiting.discard(future)
+                collect(future)
+
     pool = ThreadPoolExecutor(engine.default_lanes(len(jobs)), thread_name_prefix="meshheal-batch")
     futures = {pool.submit(run): (method, batch) for method, batch, run in jobs}
     waiting = set(futures)
     try:
-        for done in as_completed(futures):
-            waiting.discard(done)
-            collect(done)
+        drain()
     except BaseException:
         cancel.set()
         for future in waiting:
             future.cancel()
-        for done in as_completed(waiting):
-            collect(done)
+        drain()
         raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
