@@ -127,7 +127,9 @@ def main() -> None:
     for label, name, t in zip(("before", "after"), names, times):
         print(f"| {label} | {name} | {1e3 * statistics.median(t):.3f} | {1e3 * min(t):.3f} |")
     change = statistics.median(times[1]) / statistics.median(times[0]) - 1
-    print(f"change of the median: {100 * change:+.1f}% (best: {100 * (min(times[1]) / min(times[0]) - 1):+.1f}%)")
+    print(
+        f"change of the median: {100 * change:+.1f}% (best: {100 * (min(times[1]) / min(times[0]) - 1):+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

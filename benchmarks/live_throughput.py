@@ -143,7 +143,9 @@ def stand_in_reply(role: str, body: dict, pairs: dict) -> str:
         stage = "finalize" if fmt == "finalize_review" else "contribute"
         return review_reply(score, stage, evidence=WEAK_MARK)
     if fmt == "agent_choice":  # the baselines' router / manager: the lowest-numbered candidate
-        return json.dumps({"agent": min(body["response_format"]["json_schema"]["schema"]["properties"]["agent"]["enum"])})
+        return json.dumps(
+            {"agent": min(body["response_format"]["json_schema"]["schema"]["properties"]["agent"]["enum"])}
+        )
     if fmt == "answer_evaluation":  # SAC: another team's weak answer scores low
         other = content.split("Another team's answer:\n<<<\n", 1)[-1].split("\n>>>", 1)[0]
         return json.dumps({"own_score": 1.0, "other_score": 0.25 if WEAK_MARK in other else 1.0,
@@ -555,7 +557,9 @@ def section_b(
                         await call(body)
                     passes.append(time.process_time() - cpu0)
                 cpu = statistics.median(passes)
-                out.append({"client": name, "requests": count, "cpu_s": cpu, "cpu_ms_per_call": 1e3 * cpu / count})
+                out.append(
+                    {"client": name, "requests": count, "cpu_s": cpu, "cpu_ms_per_call": 1e3 * cpu / count}
+                )
         finally:
             await client.close()
         return out
@@ -581,8 +585,11 @@ def section_b(
                 "client_max_in_flight": run["client_max_in_flight"],
                 "server_max_in_flight": server["max_in_flight"], "server_mean_in_flight": server["mean_in_flight"],
             })  # fmt: skip
-    floor = {"title": "b (floor): the openai SDK's own CPU per call, no socket and no server (median of the passes)",
-             "columns": COLUMNS["b_floor"], "rows": asyncio.run(sdk_floor(b))}
+    floor = {
+        "title": "b (floor): the openai SDK's own CPU per call, no socket and no server (median of the passes)",
+        "columns": COLUMNS["b_floor"],
+        "rows": asyncio.run(sdk_floor(b)),
+    }
     return {
         "title": f"b: host overhead at {in_flight} in flight (stand-in, latency {latency:g} s, {b} requests = "
         f"{waves} waves, median of {repeats})",

@@ -96,7 +96,9 @@ def main() -> None:
     for name, members in SCENARIOS.items():
         per = statistics.median(times[name])
         summed = len(members) / per
-        print(f"| {name} | {1e3 * per:.3f} | {statistics.median(busy[name]):.2f} | {summed:,.0f} | {summed * base:.2f}x |")
+        print(
+            f"| {name} | {1e3 * per:.3f} | {statistics.median(busy[name]):.2f} | {summed:,.0f} | {summed * base:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -38,14 +38,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=300)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    print("| rows x width | jnp.sort, µs | engine.sort_floats, µs | speed-up | same bits |\n|---|---|---|---|---|")
+    print(
+        "| rows x width | jnp.sort, µs | engine.sort_floats, µs | speed-up | same bits |\n|---|---|---|---|---|"
+    )
     for rows in args.rows:
         values = rng.normal(size=(rows, args.width))
         values[:, (3 * args.width) // 4 :] = np.inf  # masked pool entries
         x = jnp.asarray(values)
         same = np.array_equal(np.asarray(jnp.sort(x, axis=-1)).view(np.int64),  # bit for bit
                               np.asarray(engine.sort_floats(x)).view(np.int64))  # fmt: skip
-        a, b = timed(lambda v: jnp.sort(v, axis=-1), x, args.repeats), timed(engine.sort_floats, x, args.repeats)
+        a, b = (
+            timed(lambda v: jnp.sort(v, axis=-1), x, args.repeats),
+            timed(engine.sort_floats, x, args.repeats),
+        )
         print(f"| {rows} x {args.width} | {1e6 * a:.1f} | {1e6 * b:.1f} | {a / b:.1f}x | {same} |")
 
 

@@ -114,7 +114,7 @@ def round_part(functions: list[str] | None, depth: int) -> str:
         return "(no source: copies, loop control, ...)"
     if "round_step" not in functions:
         return f"(outside round_step) {functions[-1]}"
-    below = functions[len(functions) - functions[::-1].index("round_step"):]
+    below = functions[len(functions) - functions[::-1].index("round_step") :]
     return " > ".join(f.replace(".<locals>.", ".") for f in below[:depth]) or "round_step"
 
 
@@ -128,7 +128,7 @@ def fold_ends(own: collections.Counter, count: collections.Counter) -> None:
     session of 2026-12-04 they were counted as ops of their own: the 'op executions per round' of
     earlier tables include them)."""
     for name in [k for k in own if k.startswith(END)]:
-        own[name[len(END):]] += own.pop(name)
+        own[name[len(END) :]] += own.pop(name)
         count.pop(name, None)
 
 
@@ -139,8 +139,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=64, help="rounds in the profiled chunk")
     ap.add_argument("--skip", type=int, default=3, help="chunks run before it (past the warm-up)")
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--by-function", type=int, default=0, metavar="DEPTH",
-                    help="also charge ops to the engine functions under round_step, DEPTH calls deep")
+    ap.add_argument(
+        "--by-function",
+        type=int,
+        default=0,
+        metavar="DEPTH",
+        help="also charge ops to the engine functions under round_step, DEPTH calls deep",
+    )
     args = ap.parse_args()
 
     n = args.agents

@@ -53,14 +53,18 @@ def network(dataset: str, n_agents: int, sparse: bool):
     return build_network(profile, n_agents, edges=graphs.sparse_edges(holds, degraded, 0))
 
 
-def make_specs(n_agents: int, sparse: bool, seeds: int, datasets=("bbh",), first_seed: int = 0) -> list[engine.StreamSpec]:
+def make_specs(
+    n_agents: int, sparse: bool, seeds: int, datasets=("bbh",), first_seed: int = 0
+) -> list[engine.StreamSpec]:
     pair = load_pair("default")
     n_tasks = 504 * n_agents // 6
     out = []
     for dataset in datasets:
         net = network(dataset, n_agents, sparse)
         for seed in range(first_seed, first_seed + seeds):
-            stream = make_stream(seed, net.profile.dataset_id, n_tasks, 7, (1, n_tasks // 2 + 1), ("healthy", "degraded"))
+            stream = make_stream(
+                seed, net.profile.dataset_id, n_tasks, 7, (1, n_tasks // 2 + 1), ("healthy", "degraded")
+            )
             out.append(engine.StreamSpec(net, stream, persistent_schedule(n_agents, n_tasks, net.degraded_targets), pair,
                                          {"method": "meshheal", "dataset": dataset, "pair": "default", "seed": seed}))  # fmt: skip
     return out
@@ -71,7 +75,9 @@ def engine_inputs(specs, slots: int):
     cfg = engine.engine_config(specs, PROTOCOL, slots)
     batched = engine.params_per_stream(specs)
     if batched:
-        params = engine.stack([engine.make_params(PROTOCOL, s.pair, s.network.profile, cfg.n_agents) for s in specs])
+        params = engine.stack(
+            [engine.make_params(PROTOCOL, s.pair, s.network.profile, cfg.n_agents) for s in specs]
+        )
     else:
         params = engine.make_params(PROTOCOL, specs[0].pair, specs[0].network.profile, cfg.n_agents)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)
@@ -143,7 +149,9 @@ def row(name: str, r: dict, ref: float | None) -> str:
     return f"| {name} | {r['tasks']:,} | {r['seconds']:.2f} | {r['rate']:,.0f} | {ratio} | {first} |"
 
 
-TABLE = "| run | tasks | s (median) | tasks/s | x reference | first call s (compile) |\n|---|---|---|---|---|---|"
+TABLE = (
+    "| run | tasks | s (median) | tasks/s | x reference | first call s (compile) |\n|---|---|---|---|---|---|"
+)
 
 
 def section_main(seeds: int, repeats: int) -> None:
@@ -154,7 +162,9 @@ def section_main(seeds: int, repeats: int) -> None:
     print(row("jax (slots 1)", jax_rate(specs, 1, None, 512, repeats), ref["rate"]))
 
 
-def section_scale(sizes, seeds: int, prefix_per_six: int, repeats: int, slots_one: bool = True) -> float | None:
+def section_scale(
+    sizes, seeds: int, prefix_per_six: int, repeats: int, slots_one: bool = True
+) -> float | None:
     ratio = None
     for n in sizes:
         specs = make_specs(n, True, seeds)
@@ -179,7 +189,9 @@ def lanes_rate(n: int, width: int, lanes: int, repeats: int) -> dict:
     groups = [make_specs(n, n > 6, len(g), first_seed=g[0]) for g in engine.lane_streams(width, lanes)]
     if any(len(g) != len(groups[0]) for g in groups):
         raise SystemExit(f"{width} streams do not split evenly into {lanes} lanes")
-    onces = [timed_prefix(g, max(n // 6, 1), BATCH_PREFIX_PER_SIX[n] * n // 6, BATCH_CHUNK[n]) for g in groups]
+    onces = [
+        timed_prefix(g, max(n // 6, 1), BATCH_PREFIX_PER_SIX[n] * n // 6, BATCH_CHUNK[n]) for g in groups
+    ]
 
     def one_pass() -> tuple[float, int]:
         start = time.perf_counter()
@@ -225,7 +237,9 @@ def section_size(sizes, prefix_per_six: int) -> None:
         out = subprocess.run([sys.executable, __file__, "--one-size", str(n), "--sparse" if sparse else "--complete",
                               "--prefix-per-six", str(prefix_per_six)], check=False, capture_output=True, text=True)  # fmt: skip
         if out.returncode:
-            print(f"| {n:,} | {'sparse' if sparse else 'complete'} | failed: {out.stderr.strip().splitlines()[-1]} |")
+            print(
+                f"| {n:,} | {'sparse' if sparse else 'complete'} | failed: {out.stderr.strip().splitlines()[-1]} |"
+            )
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {n:,} | {'sparse' if sparse else 'complete'} | {r['tasks']:,} | {r['seconds']:.1f} | {r['rate']:,.0f} | "
@@ -234,18 +248,29 @@ def section_size(sizes, prefix_per_six: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="576 sparse only, 1 seed: the reference once, the JAX engine at slots 1 and at the default slots (median of 5 repeats each); under a minute")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="576 sparse only, 1 seed: the reference once, the JAX engine at slots 1 and at the default slots (median of 5 repeats each); under a minute",
+    )
     ap.add_argument("--sections", nargs="*", default=["main", "scale", "batch", "size"])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--lanes", type=int, default=2, help="batch: also run each width in this many lanes side by side")
-    ap.add_argument("--widths", type=int, nargs="*", default=[1, 2, 4, 16, 64, 256], help="batch: numbers of streams")
-    ap.add_argument("--batch-agents", type=int, nargs="*", default=[6, 576], choices=[6, 576], help="batch: network sizes")
+    ap.add_argument(
+        "--lanes", type=int, default=2, help="batch: also run each width in this many lanes side by side"
+    )
+    ap.add_argument(
+        "--widths", type=int, nargs="*", default=[1, 2, 4, 16, 64, 256], help="batch: numbers of streams"
+    )
+    ap.add_argument(
+        "--batch-agents", type=int, nargs="*", default=[6, 576], choices=[6, 576], help="batch: network sizes"
+    )
     ap.add_argument("--one-size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sparse", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--complete", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--prefix-per-six", type=int, default=40, help="tasks per six agents in the scale/size prefix")
+    ap.add_argument(
+        "--prefix-per-six", type=int, default=40, help="tasks per six agents in the scale/size prefix"
+    )
     args = ap.parse_args()
     if args.one_size:
         print(json.dumps(one_size(args.one_size, args.sparse, args.prefix_per_six)))

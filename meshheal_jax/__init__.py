@@ -23,7 +23,9 @@ for _name, _value in _FLAGS.items():
 # JAX's own environment variables (read when JAX starts), so importing the package imports no JAX;
 # MESHHEAL_JAX_CACHE=DIR chooses the folder, MESHHEAL_JAX_CACHE=off turns it off, and a cache dir the
 # user configured for JAX (JAX_COMPILATION_CACHE_DIR) wins.
-_CACHE = os.environ.get("MESHHEAL_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "meshheal_jax", "xla"))
+_CACHE = os.environ.get(
+    "MESHHEAL_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "meshheal_jax", "xla")
+)
 if _CACHE.lower() not in ("", "0", "off", "none"):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "2")

@@ -54,8 +54,9 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
         raise MeshHealError(f"{what} must be distinct, got {list(given)}")
 
 
-def run_all(name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool,
-            lanes: int | None = None) -> dict:
+def run_all(
+    name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool, lanes: int | None = None
+) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary."""
     runner.check_lanes(lanes)
     for exp in experiments.values():  # every configuration checked before anything runs

@@ -399,7 +399,9 @@ def scan_structure(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
     on both models, grid by grid: accuracy per phase, primary targets met, loss, and where the
     degraded phase's accuracy goes."""
     base = base_docs(cfg.pair)
-    points = list(itertools.product(cfg.scan_spread or (0.0,), cfg.scan_review or (0.0,), cfg.scan_blame or (0.0,)))
+    points = list(
+        itertools.product(cfg.scan_spread or (0.0,), cfg.scan_review or (0.0,), cfg.scan_blame or (0.0,))
+    )
     pairs = []
     for spread, review, blame in points:
         docs = copy.deepcopy(base)
@@ -419,15 +421,25 @@ def scan_structure(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
         primary = [x for x in r if x["priority"] == "primary"]
         by_part = {g["part"]: g for g in gap}
         never, clean = by_part[GAP_PARTS[0]], by_part[GAP_PARTS[4]]
-        h, d = value["accuracy, healthy phase, mean of 3 datasets"], value["accuracy, degraded phase, mean of 3 datasets"]
+        h, d = (
+            value["accuracy, healthy phase, mean of 3 datasets"],
+            value["accuracy, degraded phase, mean of 3 datasets"],
+        )
         table.add_row(f"{spread:g}", f"{review:g}", f"{blame:g}", _num(h, False), _num(d, False), f"{d - h:+.3f}",
                       f"{_num(value['MATH accuracy, healthy phase'], False)} → "
                       f"{_num(value['MATH accuracy, degraded phase'], False)}",
                       _num(value["Takeover on Finalize: wrong->right"], False),
                       f"{sum(x['pass'] for x in primary)}/{len(primary)}", f"{loss(r):.1f}",
                       f"{never['share']:.3f}, {never['contribution']:+.4f}", f"{clean['contribution']:+.4f}")  # fmt: skip
-        out.append({"difficulty_spread": spread, "review_difficulty": review, DRAFT_BLAME: blame, "rows": r,
-                    "degraded_gap": gap})
+        out.append(
+            {
+                "difficulty_spread": spread,
+                "review_difficulty": review,
+                DRAFT_BLAME: blame,
+                "rows": r,
+                "degraded_gap": gap,
+            }
+        )
     print_table(table)
     return out
 

@@ -199,5 +199,6 @@ def pick_from_mask(u, mask):
 def categorical(u, thresholds):
     """The first k with u < thresholds[..., k] (elementwise over u's shape)."""
     u = jnp.asarray(u)
-    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(jnp.int32)
-
+    return jnp.minimum(jnp.sum(u[..., None] >= thresholds, axis=-1), thresholds.shape[-1] - 1).astype(
+        jnp.int32
+    )

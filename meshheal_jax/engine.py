@@ -56,8 +56,17 @@ A_RAWRELAY, A_INFER, A_RELAY, A_PROBE, A_HANDOFF, A_CONTRIBUTE, A_FINALIZE = ran
 MAX_ACTIONS = 24
 MAX_ROUTE = 10
 END_NAMES = ("", "move budget", "unreachable ability", "no non-isolated agent reachable")
-REASON_NAMES = ("", "z>=alpha", "consecutive z>=beta", "z<alpha", "probe z<beta",  # relative, absolute
-                "S>=h/2", "S>=h", "S<h/2", "probe S<h")  # cusum
+REASON_NAMES = (
+    "",
+    "z>=alpha",
+    "consecutive z>=beta",
+    "z<alpha",
+    "probe z<beta",  # relative, absolute
+    "S>=h/2",
+    "S>=h",
+    "S<h/2",
+    "probe S<h",
+)  # cusum
 
 
 def pytree(cls):
@@ -116,7 +125,9 @@ class Params:
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: jax.Array  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4)
+    review_thr: (
+        jax.Array
+    )  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4)
     round2_thr: jax.Array  # (2, 2, 3, DIFFICULTY_BINS, 4)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, 7 kinds, 2 [min, max]) int
@@ -704,13 +715,17 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
     # padding rows write the first writer's cell with its rows (equal values written twice), or,
     # with no writer, an unchanged cell: every scatter index is valid
     cell = (jnp.clip(ev.author[0], 0, n - 1), ev.task_type[0], ev.ability[0])
-    lead_rows = jax.tree_util.tree_map(lambda r, c: jnp.where(used[0], r[0], c), rows, current_rows(net, *cell))
+    lead_rows = jax.tree_util.tree_map(
+        lambda r, c: jnp.where(used[0], r[0], c), rows, current_rows(net, *cell)
+    )
     rows = jax.tree_util.tree_map(
         lambda r, c: jnp.where(used.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
     index = tuple(jnp.where(used, x, c) for x, c in zip((ev.author, ev.task_type, ev.ability), cell))
     net = write_rows(net, *index, rows)
     target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
-    observations = jax.tree_util.tree_map(lambda o, new: o.at[target].set(new, mode="drop"), observations, obs)
+    observations = jax.tree_util.tree_map(
+        lambda o, new: o.at[target].set(new, mode="drop"), observations, obs
+    )
     return net, observations, pending & ~picked
 
 
@@ -759,7 +774,9 @@ def isolation_changed(obs: Observation):
 
 
 def _log_action(slot: Slots, action) -> Slots:
-    return dataclasses.replace(slot, actions=slot.actions.at[slot.n_actions].set(action), n_actions=slot.n_actions + 1)
+    return dataclasses.replace(
+        slot, actions=slot.actions.at[slot.n_actions].set(action), n_actions=slot.n_actions + 1
+    )
 
 
 def _finish(slot: Slots, answered, end) -> Slots:
@@ -792,7 +809,9 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     missing = required & ~slot.covered
     isolated_relay = (net.state[i] == ISOLATED) & ~slot.probe_visit
     nb, valid, nbc = neighbours_of(world, i)
-    eligible = (net.state[nbc] == ISOLATED) & (t - net.probe_timer[nbc] >= p.probe_interval)  # (K,): not all N
+    eligible = (net.state[nbc] == ISOLATED) & (
+        t - net.probe_timer[nbc] >= p.probe_interval
+    )  # (K,): not all N
     candidates = valid & eligible & jnp.any(world.holds[nbc] & missing[None, :], axis=1)
     within = (slot.moves + 1 <= p.move_limit) & (slot.since + 1 <= p.route_limit)
     probing = ~isolated_relay & ~slot.probe_visit & candidates.any() & within
@@ -814,7 +833,9 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     return jnp.where(probing, j, -1).astype(jnp.int32), new_slot
 
 
-def _route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[jax.Array, Slots]:
+def _route(
+    cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t
+) -> tuple[jax.Array, Slots]:
     """Route until the slot needs a model call or finishes. Returns the agent probed on the way
     (-1 if none; at most one: a probe move always ends at a holder that works) and the slot."""
 
@@ -952,7 +973,9 @@ def _role(world: World, agent, ability, t):
 
 
 def _completion(p: Params, role, kind: int, u):
-    lo, hi = (jnp.where(role == STRONG, p.completion[STRONG, kind, k], p.completion[WEAK, kind, k]) for k in (0, 1))
+    lo, hi = (
+        jnp.where(role == STRONG, p.completion[STRONG, kind, k], p.completion[WEAK, kind, k]) for k in (0, 1)
+    )
     return jnp.minimum(lo + jnp.floor(u * (hi - lo + 1).astype(jnp.float64)).astype(jnp.int32), hi)
 
 
@@ -977,8 +1000,15 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     judged = ctx + b.part_tokens
     zeros3f, zeros3i = jnp.zeros(3), jnp.zeros(3, jnp.int32)
     none3 = jnp.full(3, -1, jnp.int32)
-    out = dict(score=zeros3f, pair=jnp.int32(0), answer_id=jnp.int32(0), prompt=zeros3i, completion=zeros3i,
-               role=zeros3i, truth=none3)
+    out = dict(
+        score=zeros3f,
+        pair=jnp.int32(0),
+        answer_id=jnp.int32(0),
+        prompt=zeros3i,
+        completion=zeros3i,
+        role=zeros3i,
+        truth=none3,
+    )
 
     # infer
     role_i = _role(world, author, -1, t)
@@ -1037,15 +1067,31 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     a0, ca0, ra0 = sample(K_COMMITTEE1, 0, p.review_thr, 0.0, False, p.rho_same)
     a1, ca1, ra1 = sample(K_COMMITTEE1, 1, p.review_thr, 0.0, False, p.rho_same)
     r1_prompt = jnp.stack([p.prompt[ra0, K_COMMITTEE1], p.prompt[ra1, K_COMMITTEE1], 0]) + judged
-    r1_out = dict(out, score=jnp.stack([a0, a1, 0.0]), prompt=r1_prompt.at[2].set(0), completion=jnp.stack([ca0, ca1, 0]),
-                  role=jnp.stack([ra0, ra1, 0]), truth=judged_truth)
+    r1_out = dict(
+        out,
+        score=jnp.stack([a0, a1, 0.0]),
+        prompt=r1_prompt.at[2].set(0),
+        completion=jnp.stack([ca0, ca1, 0]),
+        role=jnp.stack([ra0, ra1, 0]),
+        truth=judged_truth,
+    )
     r1_b = dataclasses.replace(b, explanation_tokens=_visible(p, ra0, ca0) + _visible(p, ra1, ca1))
 
     v0, cv0, rv0 = sample(K_COMMITTEE2, 0, p.round2_thr, r.other_score[0], True, p.p_follow)
     v1, cv1, rv1 = sample(K_COMMITTEE2, 1, p.round2_thr, r.other_score[1], True, p.p_follow)
-    r2_prompt = jnp.stack([p.prompt[rv0, K_COMMITTEE2], p.prompt[rv1, K_COMMITTEE2], 0]) + judged + b.explanation_tokens
-    r2_out = dict(out, score=jnp.stack([v0, v1, 0.0]), prompt=r2_prompt.at[2].set(0), completion=jnp.stack([cv0, cv1, 0]),
-                  role=jnp.stack([rv0, rv1, 0]), truth=judged_truth)
+    r2_prompt = (
+        jnp.stack([p.prompt[rv0, K_COMMITTEE2], p.prompt[rv1, K_COMMITTEE2], 0])
+        + judged
+        + b.explanation_tokens
+    )
+    r2_out = dict(
+        out,
+        score=jnp.stack([v0, v1, 0.0]),
+        prompt=r2_prompt.at[2].set(0),
+        completion=jnp.stack([cv0, cv1, 0]),
+        role=jnp.stack([rv0, rv1, 0]),
+        truth=judged_truth,
+    )
 
     # takeover: candidates, then synthesis by member A
     def candidate(k):
@@ -1055,7 +1101,9 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
 
     pa, ca, va, rca = candidate(0)
     pb, cb, vb, rcb = candidate(1)
-    cand_out = dict(out, prompt=jnp.stack([pa, pb, 0]), completion=jnp.stack([ca, cb, 0]), role=jnp.stack([rca, rcb, 0]))
+    cand_out = dict(
+        out, prompt=jnp.stack([pa, pb, 0]), completion=jnp.stack([ca, cb, 0]), role=jnp.stack([rca, rcb, 0])
+    )
     cand_b = dataclasses.replace(b, candidate_tokens=va + vb)
 
     us = u_calls[D.SYNTHESIS]
@@ -1090,9 +1138,13 @@ def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, reques
     now (`D.call_rows`, equal to `task_draws(...).calls[visit, row]`); the other rows repeat them
     and are read only by the phase branches `emulate_slot` discards."""
     rows = D.call_rows(draws.calls_key, requests.visit, jnp.asarray(_ROWS_TABLE)[requests.phase])  # (S, 3, 4)
-    u_calls = jnp.take_along_axis(rows, jnp.asarray(_ROW_POSITION)[requests.phase][:, :, None], axis=1)  # (S, 11, 4)
+    u_calls = jnp.take_along_axis(
+        rows, jnp.asarray(_ROW_POSITION)[requests.phase][:, :, None], axis=1
+    )  # (S, 11, 4)
     u_infer = draws.infer  # (S, 3)
-    return jax.vmap(emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(p, world, backend, requests, u_calls, u_infer)
+    return jax.vmap(emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(
+        p, world, backend, requests, u_calls, u_infer
+    )
 
 
 @pytree
@@ -1137,7 +1189,9 @@ class Evidence:
     t: jax.Array
 
 
-def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
+def absorb_decide(
+    cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t
+):
     """Apply one slot's responses (review, committee, Takeover decisions) on the network as it
     stands; returns (slot, evidence, record without the detector's observation)."""
     t, phase, ty = slot.t, slot.phase, world.task_type[jnp.maximum(slot.t - 1, 0)]
@@ -1182,9 +1236,13 @@ def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Sl
     if cfg.variant == "no_takeover":  # a low score leaves the output in place
         low = jnp.bool_(False)
     takeover_phase = SYNTH if cfg.variant == "single_reviewer" else CANDIDATES  # one correction call
-    after_r2 = dataclasses.replace(slot, round2=x[:2], q=q, phase=jnp.where(low, takeover_phase, phase).astype(jnp.int32))
+    after_r2 = dataclasses.replace(
+        slot, round2=x[:2], q=q, phase=jnp.where(low, takeover_phase, phase).astype(jnp.int32)
+    )
     after_cand = dataclasses.replace(slot, phase=jnp.int32(SYNTH))
-    after_synth = dataclasses.replace(slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id))
+    after_synth = dataclasses.replace(
+        slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id)
+    )
 
     table = {INFER: after_infer, GENERATE: after_gen, REVIEW: after_review, ROUND1: after_r1,
              ROUND2: after_r2, CANDIDATES: after_cand, SYNTH: after_synth}  # fmt: skip
@@ -1201,7 +1259,9 @@ def absorb_decide(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Sl
     return new, Evidence(evidence, accepted, author, ty, s, new.q, t), record
 
 
-def absorb_route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, new: Slots, accepted, draws_t):
+def absorb_route(
+    cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, new: Slots, accepted, draws_t
+):
     """After the round's evidence: an accepted output finalizes or hands off; then route until
     the next model call. Returns (probed agent or -1, slot)."""
     t, s = slot.t, slot.ability
@@ -1211,10 +1271,14 @@ def absorb_route(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slo
     finished = _finish(_log_action(new, A_FINALIZE), True, 0)
     contributed = _log_action(new, A_CONTRIBUTE)
     covered = contributed.covered.at[s].set(True)
-    contributed = dataclasses.replace(contributed, covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False))
+    contributed = dataclasses.replace(
+        contributed, covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False)
+    )
     missing = world.pair_abilities[contributed.pair] & ~covered
     handed = _next_hop(p, world, net, contributed, missing, u_route, A_HANDOFF)
-    handed = dataclasses.replace(handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32))
+    handed = dataclasses.replace(
+        handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32)
+    )
     new = where_tree(accepted, where_tree(slot.finalize, finished, handed), new)
     return _route(cfg, p, world, net, new, t, draws_t)
 
@@ -1321,7 +1385,9 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
                                                                   pair=jnp.int32(-1)))(slots, ts, draws)  # fmt: skip
 
         def pick(new, old):
-            return jax.tree_util.tree_map(lambda a, b: jnp.where(wants.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+            return jax.tree_util.tree_map(
+                lambda a, b: jnp.where(wants.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old
+            )
 
         fresh = jax.vmap(lambda _: fresh_backend_slot())(jnp.arange(cfg.slots))
         return pick(started, slots), pick(fresh, carry.backend), pick(draws, carry.draws)
@@ -1394,10 +1460,13 @@ TRACES = {"run_rounds": 0}  # incremented at trace time: tests check one trace p
 # are unchanged (no fast math at any level), so results are identical.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1}
 
+
 # The carry is donated (decisions S9): XLA updates the network's windows and the slots in place
 # instead of copying the whole carry in at every call; a caller must not read a carry it passed.
 @functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(3,), compiler_options=COMPILER_OPTIONS)
-def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False):
+def run_rounds(
+    cfg: EngineConfig, p: Params, world: World, carry: Carry, n_rounds: int, params_batched: bool = False
+):
     """n_rounds rounds of every stream (leading stream axis on world and carry; on p too when
     params_batched, as when datasets differ in p_part or a parameter grid is swept). The carry
     passed in is donated: its buffers are reused for the returned carry and must not be read again
@@ -1411,7 +1480,9 @@ def run_rounds(cfg: EngineConfig, p: Params, world: World, carry: Carry, n_round
     def one_stream(p, world, carry):
         return jax.lax.scan(lambda c, _: step(p, world, c), carry, None, length=n_rounds)
 
-    return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(p, world, carry)
+    return jax.vmap(one_stream, in_axes=(0 if params_batched else None, 0, 0), axis_name=STREAMS)(
+        p, world, carry
+    )
 
 
 # A round's records leave the scan as one (S, columns) array per dtype, not ~80 arrays: each
@@ -1484,7 +1555,11 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
         raise MeshHealError(f"slots must be in 1..{min(cap, n_tasks)} (at most N/6 = {cap} and at most the "
                             f"{n_tasks} tasks), got {slots}")  # fmt: skip
     for spec in specs:
-        if spec.stream.n_tasks != n_tasks or spec.network.n_agents != first.network.n_agents or spec.pair.name != first.pair.name:
+        if (
+            spec.stream.n_tasks != n_tasks
+            or spec.network.n_agents != first.network.n_agents
+            or spec.pair.name != first.pair.name
+        ):
             raise MeshHealError("streams batched together need the same length, agents and pair")
     return EngineConfig(
         n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
@@ -1498,7 +1573,9 @@ def params_per_stream(specs: list[StreamSpec]) -> bool:
     """Whether batched streams need one parameter pytree each: their datasets (p_part) or their
     pairs' files differ (the pair NAME may be shared by different files: a sweep, a fit's candidate)."""
     first = specs[0]
-    return any(s.network.profile.dataset != first.network.profile.dataset or s.pair != first.pair for s in specs)
+    return any(
+        s.network.profile.dataset != first.network.profile.dataset or s.pair != first.pair for s in specs
+    )
 
 
 def stream_mesh(shard: bool | None = None) -> jax.sharding.Mesh | None:
@@ -1587,7 +1664,10 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     groups = lane_streams(len(specs), lanes)
     chunk = default_chunk(cfg.slots, len(groups[0])) if chunk is None else chunk
     done_tasks = [0] * len(groups)
-    lock, stop = threading.Lock(), threading.Event()  # stop: another lane failed or the caller was interrupted
+    lock, stop = (
+        threading.Lock(),
+        threading.Event(),
+    )  # stop: another lane failed or the caller was interrupted
 
     def lane(k: int, members: list[int]):
         try:
@@ -1633,14 +1713,18 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
                 while futures_wait(futures, timeout=0.2).not_done:
                     pass  # short waits: Ctrl-C reaches the main thread only while it runs Python
                 finished = [future.result() for future in futures]
-            except BaseException:  # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
+            except (
+                BaseException
+            ):  # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
                 stop.set()
                 raise
     if any(lane_out is None for lane_out in finished):
         raise Cancelled(f"run_batch cancelled before its {len(specs)} streams were done")
     if timings is not None:
         stages = ("first_call", "other_calls", "records")
-        timings.update(max((c for _, c in finished), key=lambda c: sum(c[k] for k in stages)), lanes=len(groups))
+        timings.update(
+            max((c for _, c in finished), key=lambda c: sum(c[k] for k in stages)), lanes=len(groups)
+        )
     return [frames for per_stream, _ in finished for frames in per_stream]
 
 
@@ -1668,7 +1752,9 @@ def _empty(table: str) -> pl.DataFrame:
     return pl.DataFrame(schema=SCHEMAS[table])
 
 
-def stream_tables(parts: list[dict[str, pl.DataFrame]], tables: tuple[str, ...] = TABLES) -> dict[str, pl.DataFrame]:
+def stream_tables(
+    parts: list[dict[str, pl.DataFrame]], tables: tuple[str, ...] = TABLES
+) -> dict[str, pl.DataFrame]:
     """One stream's chunk frames joined. The tasks table is put in task order over the whole stream
     (a chunk's is in task order; with tasks in flight, one that starts earlier may finish in a later
     chunk), so a stream's tables do not depend on the chunk length, which follows the batch width;
@@ -1695,10 +1781,16 @@ def _names(names, index) -> pl.Series:
 
 def _where(mask, values):
     """A nullable column: values where mask, null elsewhere."""
-    return pl.Series(values).set(pl.Series(~np.asarray(mask, dtype=bool)), None) if len(values) else pl.Series(values)
+    return (
+        pl.Series(values).set(pl.Series(~np.asarray(mask, dtype=bool)), None)
+        if len(values)
+        else pl.Series(values)
+    )
 
 
-def record_frames(spec: StreamSpec, rec: RoundRecords, tables: tuple[str, ...] = TABLES) -> dict[str, pl.DataFrame]:
+def record_frames(
+    spec: StreamSpec, rec: RoundRecords, tables: tuple[str, ...] = TABLES
+) -> dict[str, pl.DataFrame]:
     """One stream's (rounds, S, ...) records -> the record tables, vectorised (no per-row Python)."""
     out = {}
     models = (spec.pair.strong.model, spec.pair.weak.model)

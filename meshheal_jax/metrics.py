@@ -108,9 +108,7 @@ def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]
     for agent, begin, end in schedule.intervals:
         isolated = [t for t in range(begin, end) if matrix[t, agent] == "isolated"]
         detected = isolated[0] if isolated else None
-        closure = detected is not None and all(
-            matrix[t, agent] == "isolated" for t in range(detected, end)
-        )
+        closure = detected is not None and all(matrix[t, agent] == "isolated" for t in range(detected, end))
         reintegration = None
         if end <= n:
             normal_from = None
@@ -191,7 +189,9 @@ def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
 
     def state_at(col: str, shift: int) -> pl.DataFrame:
         query = intervals.select("agent", (pl.col(col) + shift).alias("t")).sort("t")
-        joined = query.join_asof(changes.sort("t"), on="t", by="agent", strategy="backward", check_sortedness=False)
+        joined = query.join_asof(
+            changes.sort("t"), on="t", by="agent", strategy="backward", check_sortedness=False
+        )
         return joined.select("agent", pl.col("to").fill_null("normal").alias(col + "_state"))
 
     first_isolation = (changes.join(intervals, on="agent")
@@ -284,7 +284,9 @@ def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
          "reintegration_delay": stat([m["agents"][k]["reintegration_delay"] for m in per_seed])}
         for k, a in enumerate(first["agents"])
     ]  # fmt: skip
-    out["review_audit"] = {key: stat([m["review_audit"][key] for m in per_seed]) for key in first["review_audit"]}
+    out["review_audit"] = {
+        key: stat([m["review_audit"][key] for m in per_seed]) for key in first["review_audit"]
+    }
     return out
 
 

@@ -93,7 +93,9 @@ class ModelParams:
             return scalars[item]
         raise AttributeError(item)
 
-    def _binned(self, key: tuple[str, bool], probabilities: tuple[float, ...]) -> tuple[tuple[float, ...], ...]:
+    def _binned(
+        self, key: tuple[str, bool], probabilities: tuple[float, ...]
+    ) -> tuple[tuple[float, ...], ...]:
         """A reviewer's categorical per difficulty bin: a harder question (z > 0) moves mass to low
         scores on a correct part and to high scores on a wrong one (misjudged more often)."""
         sign = -1.0 if key[1] else 1.0
@@ -104,14 +106,15 @@ class ModelParams:
         """(task types, DIFFICULTY_BINS): P(part correct) per type and question difficulty bin,
         logit(p) - difficulty_spread * z."""
         spread = self.scalars.get("difficulty_spread", 0.0)
-        return tuple(tuple(shifted_probability(p, -spread * z) for z in DIFFICULTY_Z) for p in self.p_part_base(profile))
+        return tuple(
+            tuple(shifted_probability(p, -spread * z) for z in DIFFICULTY_Z)
+            for p in self.p_part_base(profile)
+        )
 
     def p_part_base(self, profile: Profile) -> tuple[float, ...]:
         """P(part correct) per task type, as the file states it (before difficulty)."""
         if profile.dataset not in self.p_part:
-            raise MeshHealError(
-                f"model file {self.name}: no [p_part] entry for dataset {profile.dataset!r}"
-            )
+            raise MeshHealError(f"model file {self.name}: no [p_part] entry for dataset {profile.dataset!r}")
         table = self.p_part[profile.dataset]
         out = []
         for task_type in profile.task_types:
@@ -135,12 +138,16 @@ class ModelParams:
         """Wrong answers: distractor 1 with p_popular_wrong, the others share the rest."""
         return self.distractor_cumulative
 
-    def review_thresholds(self, role: str, correct: bool, difficulty: int, wrong_draft: bool = False) -> tuple[float, ...]:
+    def review_thresholds(
+        self, role: str, correct: bool, difficulty: int, wrong_draft: bool = False
+    ) -> tuple[float, ...]:
         """Cumulative thresholds of one review sample; `wrong_draft`: the judged output is a
         Finalize whose accepted draft is wrong (only matters for a correct part)."""
         return self._judged(self.review_cumulative, role, correct, difficulty, wrong_draft)
 
-    def round2_thresholds(self, role: str, correct: bool, difficulty: int, wrong_draft: bool = False) -> tuple[float, ...]:
+    def round2_thresholds(
+        self, role: str, correct: bool, difficulty: int, wrong_draft: bool = False
+    ) -> tuple[float, ...]:
         return self._judged(self.round2_cumulative, role, correct, difficulty, wrong_draft)
 
     def _judged(self, table, role, correct, difficulty, wrong_draft) -> tuple[float, ...]:
@@ -193,7 +200,9 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
         n_distractors = int(doc["n_distractors"])
         completion = {k: tuple(int(x) for x in doc["completion_tokens"][k]) for k in CALL_KINDS}
         prompt = {k: int(doc["prompt_tokens"][k]) for k in CALL_KINDS}
-        p_part = {str(ds): {str(k): float(v) for k, v in table.items()} for ds, table in doc["p_part"].items()}
+        p_part = {
+            str(ds): {str(k): float(v) for k, v in table.items()} for ds, table in doc["p_part"].items()
+        }
     except KeyError as missing:
         raise MeshHealError(f"{source}: missing key {missing}") from None
     if n_distractors < 1:
@@ -265,7 +274,9 @@ def dump_model(m: ModelParams, header: str = "") -> str:
     lines.append(f"n_distractors = {m.n_distractors}")
     lines += ["", "[p_part]"]
     for dataset, table in m.p_part.items():
-        items = ", ".join(f'"{k}" = {v:.6g}' if " " in k or "&" in k else f"{k} = {v:.6g}" for k, v in table.items())
+        items = ", ".join(
+            f'"{k}" = {v:.6g}' if " " in k or "&" in k else f"{k} = {v:.6g}" for k, v in table.items()
+        )
         lines.append(f"{dataset} = {{ {items} }}")
     for section, table in (("review", m.review), ("round2", m.round2)):
         for role in AUTHOR_ROLES:

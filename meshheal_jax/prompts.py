@@ -864,7 +864,9 @@ def choice_response_format(agents: Sequence[int]) -> dict:
     return json_schema_format("agent_choice", choice_schema(agents))
 
 
-def router_messages(task: TaskText, agent: int, needed: AbilityRef, candidates: Sequence[Candidate]) -> list[Message]:
+def router_messages(
+    task: TaskText, agent: int, needed: AbilityRef, candidates: Sequence[Candidate]
+) -> list[Message]:
     """AgentNet: the agent holding the task names the neighbour to forward it to."""
     if not candidates:
         raise MeshHealError("prompts: a router call needs at least one candidate neighbour")
@@ -878,11 +880,13 @@ def router_messages(task: TaskText, agent: int, needed: AbilityRef, candidates: 
     return _chat(user)
 
 
-def select_messages(task: TaskText, needed: AbilityRef, workers: Sequence[Candidate], retry: bool) -> list[Message]:
+def select_messages(
+    task: TaskText, needed: AbilityRef, workers: Sequence[Candidate], retry: bool
+) -> list[Message]:
     """AutoGen: the group-chat manager names the next speaker for the needed ability."""
     if not workers:
         raise MeshHealError("prompts: a speaker selection needs at least one worker")
-    again = ("The worker you named before does not hold this ability and declined the turn. " if retry else "")
+    again = "The worker you named before does not hold this ability and declined the turn. " if retry else ""
     user = (
         f"You are the manager of a group chat of agents.\n\n{_task_block(task)}\n\n{_accepted_block(task)}\n\n"
         f"{again}The next step needs the ability {needed.line()}. The workers and their abilities:\n"
@@ -984,7 +988,9 @@ def evaluation_parser() -> ReplyParser:
 def refine_messages(task: TaskText, own_answer: str, retained: Sequence[str],
                     abilities: Sequence[AbilityRef]) -> list[Message]:  # fmt: skip
     """SAC: refine your team's answer from the other teams' answers you kept."""
-    others = "\n\n".join(f"[Answer {k}]\n{a.strip()}" for k, a in enumerate(retained, start=1)) or "(none kept)"
+    others = (
+        "\n\n".join(f"[Answer {k}]\n{a.strip()}" for k, a in enumerate(retained, start=1)) or "(none kept)"
+    )
     user = (
         f"{_task_block(task)}\n\nYour abilities:\n{_abilities_block(abilities)}\n\nYour team's answer:\n"
         f"<<<\n{own_answer.strip()}\n>>>\n\nOther teams' answers you kept after evaluation:\n{others}\n\n"

@@ -82,12 +82,7 @@ def sample_std3(a: float, b: float, c: float) -> float:
 
 def needs_committee(q0: float, s_u: float, author_watched: bool, probe: bool, p: ProtocolParams) -> bool:
     """Alg. 2: committee iff q0 <= tau_to or s_u >= sigma_com or watched author or probe."""
-    return (
-        q0 <= p.tau_to + p.threshold_tol
-        or s_u >= p.sigma_com - p.threshold_tol
-        or author_watched
-        or probe
-    )
+    return q0 <= p.tau_to + p.threshold_tol or s_u >= p.sigma_com - p.threshold_tol or author_watched or probe
 
 
 def is_low(q: float, p: ProtocolParams) -> bool:
@@ -180,7 +175,9 @@ class ReferenceEmulator:
     def _visible(self, m: ModelParams, completion: int) -> int:
         return math.floor(completion * m.answer_fraction)
 
-    def _log(self, ctx: dict, kind: str, agent: int, role: str, prompt: int, completion: int, **fields) -> None:
+    def _log(
+        self, ctx: dict, kind: str, agent: int, role: str, prompt: int, completion: int, **fields
+    ) -> None:
         self.calls.append(
             dict(ctx, kind=kind, agent=agent, model=self.model(role).model,
                  prompt_tokens=prompt, completion_tokens=completion, **fields)
@@ -205,7 +202,9 @@ class ReferenceEmulator:
                   score=None, answer_id=None, correct=inferred == true_pair)  # fmt: skip
         return inferred
 
-    def generate(self, ctx, agent, ability, t, task_type, draft: list[Output], finalize, pair_ok, u) -> tuple[Output, Output | None]:
+    def generate(
+        self, ctx, agent, ability, t, task_type, draft: list[Output], finalize, pair_ok, u
+    ) -> tuple[Output, Output | None]:
         """A part (Contribute) or the rest plus the final answer (Finalize).
 
         Returns (the judged part, the final answer or None)."""
@@ -231,7 +230,9 @@ class ReferenceEmulator:
                   correct=part_ok if answer is None else answer.correct)  # fmt: skip
         return part, answer
 
-    def review_sample(self, ctx, kind, reviewer, ability, t, judged: Output, draft, u, repeat_of=None) -> tuple[float, int]:
+    def review_sample(
+        self, ctx, kind, reviewer, ability, t, judged: Output, draft, u, repeat_of=None
+    ) -> tuple[float, int]:
         """One review score on the anchors; returns (score, visible explanation tokens)."""
         role = self.role(reviewer, ability, t)
         m = self.model(role)
@@ -239,26 +240,39 @@ class ReferenceEmulator:
         if repeat_of is not None and u[D.U_AUX] < m.rho_same:
             score = repeat_of
         else:
-            thresholds = m.review_thresholds(author_role, judged.correct, self.difficulty[t - 1], judged.on_wrong_draft)
+            thresholds = m.review_thresholds(
+                author_role, judged.correct, self.difficulty[t - 1], judged.on_wrong_draft
+            )
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
         return self._score_call(ctx, kind, reviewer, role, ability, judged, draft, u, score, 0)
 
-    def round2_sample(self, ctx, reviewer, ability, t, judged: Output, draft, other_round1: float, u, extra) -> tuple[float, int]:
+    def round2_sample(
+        self, ctx, reviewer, ability, t, judged: Output, draft, other_round1: float, u, extra
+    ) -> tuple[float, int]:
         """Committee round 2: sees both round-1 judgements (extra = their visible tokens)."""
         role = self.role(reviewer, ability, t)
         m = self.model(role)
         if u[D.U_AUX] < m.p_follow:
             score = other_round1
         else:
-            thresholds = m.round2_thresholds(f"{judged.model}_author", judged.correct, self.difficulty[t - 1],
-                                             judged.on_wrong_draft)
+            thresholds = m.round2_thresholds(
+                f"{judged.model}_author", judged.correct, self.difficulty[t - 1], judged.on_wrong_draft
+            )
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
         return self._score_call(ctx, "committee2", reviewer, role, ability, judged, draft, u, score, extra)
 
-    def _score_call(self, ctx, kind, reviewer, role, ability, judged, draft, u, score, extra) -> tuple[float, int]:
+    def _score_call(
+        self, ctx, kind, reviewer, role, ability, judged, draft, u, score, extra
+    ) -> tuple[float, int]:
         m = self.model(role)
         completion = self._complete(m, kind, u[D.U_TOKENS])
-        prompt = m.prompt_tokens[kind] + self.question_tokens + sum(o.tokens for o in draft) + judged.tokens + extra
+        prompt = (
+            m.prompt_tokens[kind]
+            + self.question_tokens
+            + sum(o.tokens for o in draft)
+            + judged.tokens
+            + extra
+        )
         self._log(ctx, kind, reviewer, role, prompt, completion, author=ctx["author"], ability=ability,
                   score=score, answer_id=None, correct=judged.correct)  # fmt: skip
         return score, self._visible(m, completion)
@@ -273,7 +287,12 @@ class ReferenceEmulator:
             role = self.role(agent, ability, t)
             m = self.model(role)
             completion = self._complete(m, "candidate", u[D.U_TOKENS])
-            prompt = m.prompt_tokens["candidate"] + self.question_tokens + sum(o.tokens for o in draft) + judged.tokens
+            prompt = (
+                m.prompt_tokens["candidate"]
+                + self.question_tokens
+                + sum(o.tokens for o in draft)
+                + judged.tokens
+            )
             self._log(ctx, "candidate", agent, role, prompt, completion, author=ctx["author"], ability=ability,
                       score=None, answer_id=None, correct=None)  # fmt: skip
             visible.append(self._visible(m, completion))
@@ -588,7 +607,9 @@ class ReferenceEngine:
         samples: list[float] = []
         for k, slot in enumerate(D.REVIEW_SAMPLES):
             first = samples[0] if k else None
-            samples.append(emu.review_sample(ctx, "review", r, s, task.t, part, task.draft, uc[slot], first)[0])
+            samples.append(
+                emu.review_sample(ctx, "review", r, s, task.t, part, task.draft, uc[slot], first)[0]
+            )
         q0, s_u = median3(*samples), sample_std3(*samples)
         committee = needs_committee(q0, s_u, before == WATCHED, probe, p)
         row = dict(self.labels, t=task.t, visit=v, action="finalize" if finalize else "contribute",
@@ -658,4 +679,3 @@ def run_stream(network: Network, params: ProtocolParams, pair: Pair, stream: Str
     records = engine.run()
     records.calls = [dict(c, latency_s=0.0, parse_status="ok") for c in engine.backend.calls]
     return records
-

@@ -362,7 +362,10 @@ def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> 
 
 
 def run_jax_streams(
-    exp: Experiment, streams: list[tuple[str, str, int]], on_progress=None, lanes: int | None = None,
+    exp: Experiment,
+    streams: list[tuple[str, str, int]],
+    on_progress=None,
+    lanes: int | None = None,
     cancel: threading.Event | None = None,
 ) -> list[dict[str, pl.DataFrame]]:
     """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program,
@@ -375,7 +378,13 @@ def run_jax_streams(
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
     return engine.run_streams(
-        specs, exp.protocol, slots=exp.slots, tables=exp.tables, on_progress=on_progress, lanes=lanes, cancel=cancel
+        specs,
+        exp.protocol,
+        slots=exp.slots,
+        tables=exp.tables,
+        on_progress=on_progress,
+        lanes=lanes,
+        cancel=cancel,
     )
 
 
@@ -440,7 +449,9 @@ def run_baseline_streams(
 def _write_tables(folder: Path, frames: dict[str, pl.DataFrame]) -> None:
     """One parquet file per table, written side by side (polars writes without the GIL)."""
     with ThreadPoolExecutor(len(frames) or 1) as pool:
-        for done in [pool.submit(df.write_parquet, folder / f"{name}.parquet") for name, df in frames.items()]:
+        for done in [
+            pool.submit(df.write_parquet, folder / f"{name}.parquet") for name, df in frames.items()
+        ]:
             done.result()
 
 
@@ -485,6 +496,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
         _write_part(_part_dir(run_dir, *stream), frames)
         finished[stream] = frames
+
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task(
             f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo)
@@ -545,14 +557,18 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
 
 
-def _baseline_jobs(exp: Experiment, todo: list[tuple], run_dir: Path) -> list[tuple[str, list[tuple], functools.partial]]:
+def _baseline_jobs(
+    exp: Experiment, todo: list[tuple], run_dir: Path
+) -> list[tuple[str, list[tuple], functools.partial]]:
     """(method, streams, run) per baseline and pair with streams left to run: one compiled program each."""
     jobs = []
     for method in exp.baselines():
         for pair in exp.pairs:
             batch = [s[1:] for s in todo if s[0] == method and s[2] == pair]
             if batch:
-                jobs.append((method, batch, functools.partial(run_baseline_streams, exp, method, batch, run_dir)))
+                jobs.append(
+                    (method, batch, functools.partial(run_baseline_streams, exp, method, batch, run_dir))
+                )
     return jobs
 
 

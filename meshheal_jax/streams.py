@@ -51,7 +51,9 @@ def difficulty_bins(seed: int, dataset_id: int, task_type: np.ndarray, question:
     out = np.zeros(task_type.shape, dtype=np.int32)
     for ty in np.unique(task_type):
         mine = task_type == ty
-        u = np.random.default_rng([DIFFICULTY_SALT, seed, dataset_id, int(ty)]).random(int(question[mine].max()) + 1)
+        u = np.random.default_rng([DIFFICULTY_SALT, seed, dataset_id, int(ty)]).random(
+            int(question[mine].max()) + 1
+        )
         out[mine] = np.minimum(np.floor(u[question[mine]] * DIFFICULTY_BINS), DIFFICULTY_BINS - 1)
     return out
 

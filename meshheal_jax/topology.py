@@ -207,7 +207,9 @@ def validate_edges(edges: np.ndarray, n_agents: int) -> np.ndarray:
     """Structure (ids in range, no self loop or duplicate) and connectivity; canonical edges."""
     edges = graphs.check_structure(edges, n_agents)
     if n_agents > 1:
-        n_parts, labels = scipy.sparse.csgraph.connected_components(graphs.csr(edges, n_agents), directed=False)
+        n_parts, labels = scipy.sparse.csgraph.connected_components(
+            graphs.csr(edges, n_agents), directed=False
+        )
         if n_parts > 1:
             missing = int(np.flatnonzero(labels != labels[0])[0])
             raise MeshHealError(f"graph: not connected (agent {missing} unreachable from agent 0)")

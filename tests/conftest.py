@@ -26,9 +26,7 @@ from meshheal_jax import topology
 @pytest.fixture(scope="session")
 def packaged_docs() -> dict[str, dict]:
     """dataset -> the packaged profile file, parsed by tomllib (never mutated: copy first)."""
-    return {
-        ds: tomllib.loads((topology.PROFILE_DIR / f"{ds}.toml").read_text()) for ds in topology.DATASETS
-    }
+    return {ds: tomllib.loads((topology.PROFILE_DIR / f"{ds}.toml").read_text()) for ds in topology.DATASETS}
 
 
 @pytest.fixture

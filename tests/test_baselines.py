@@ -547,7 +547,9 @@ def test_frames_follow_the_column_rules():
     assert [c["correct"] for c in calls] == [None, True, False, True, None]
     assert [c["model"] for c in calls] == [PAIR.strong.model, "served-weak", PAIR.weak.model,
                                            PAIR.strong.model, PAIR.strong.model]  # fmt: skip
-    assert [(c["latency_s"], c["parse_status"]) for c in calls] == [(0.0, "ok"), (1.5, "retried")] + [(0.0, "ok")] * 3
+    assert [(c["latency_s"], c["parse_status"]) for c in calls] == [(0.0, "ok"), (1.5, "retried")] + [
+        (0.0, "ok")
+    ] * 3
     assert [c["prompt_tokens"] for c in calls] == [10, 20, 30, 40, 50]
     assert {c["pair"] for c in calls} == {None} and {c["seed"] for c in calls} == {3}
     reviews = frames["reviews"].to_dicts()
@@ -560,7 +562,10 @@ def test_frames_follow_the_column_rules():
     tasks = frames["tasks"].to_dicts()
     assert [t["route"] for t in tasks] == ["1-2", "3|4-5"]
     assert [t["actions"] for t in tasks] == ["infer,contribute", "infer,finalize,rerun"]
-    assert [(t["answered"], t["correct"], t["answer_id"]) for t in tasks] == [(False, False, -1), (True, True, 0)]
+    assert [(t["answered"], t["correct"], t["answer_id"]) for t in tasks] == [
+        (False, False, -1),
+        (True, True, 0),
+    ]
     assert [(t["calls"], t["prompt_tokens"], t["completion_tokens"], t["tokens"]) for t in tasks] == [
         (2, 30, 3, 33), (3, 120, 12, 132)]  # fmt: skip
     assert [(t["task_type"], t["phase"], t["end"], t["unreviewed"]) for t in tasks] == [

@@ -45,7 +45,9 @@ def test_ab_rounds_alternates_two_checkouts(tmp_path):
     assert len(rows) == 2 and all(str(ROOT) in row for row in rows)
     assert all(float(row.split("|")[3]) > 0 for row in rows)
     assert lines[-1].startswith("change of the median:")
-    bad = subprocess.run([*cmd[:2], str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=60, check=False)
+    bad = subprocess.run(
+        [*cmd[:2], str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert bad.returncode != 0 and "is not a checkout of this repository" in bad.stderr
 
 

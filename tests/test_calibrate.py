@@ -69,9 +69,12 @@ def test_roundtrip_intervals_cover_the_true_values(trip):
     assert perturbed == {(m, n) for m, names in changes.items() for n in names}  # every shift is identified
 
 
-@pytest.mark.xfail(strict=True, reason="since the refit of the default files (560fed0), round-trip truth "
-                   "cells with few observations (e.g. gpt-oss judging a wrong Llama-1B part: 0.003 on anchor "
-                   "1.0) fall just outside their 99.9% percentile-bootstrap interval; open, see the closing note")
+@pytest.mark.xfail(
+    strict=True,
+    reason="since the refit of the default files (560fed0), round-trip truth "
+    "cells with few observations (e.g. gpt-oss judging a wrong Llama-1B part: 0.003 on anchor "
+    "1.0) fall just outside their 99.9% percentile-bootstrap interval; open, see the closing note",
+)
 def test_roundtrip_every_value_within_the_wide_interval(trip):
     """No fitted value is far off: every true value lies inside its 99.9% interval (with 200
     replicates about the replicates' range; exact binomial bound at 0 / 1)."""

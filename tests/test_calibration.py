@@ -134,8 +134,14 @@ def test_evaluator_equals_the_reference_engine():
     for pair, got in zip(pairs, rows):
         dataset, seed, network, stream = ev.streams[0]
         schedule = ev.schedule
-        records = reference.run_stream(network, fit.ProtocolParams(), pair, stream, schedule,
-                                       {"method": "meshheal", "dataset": dataset, "pair": "default", "seed": seed})
+        records = reference.run_stream(
+            network,
+            fit.ProtocolParams(),
+            pair,
+            stream,
+            schedule,
+            {"method": "meshheal", "dataset": dataset, "pair": "default", "seed": seed},
+        )
         frames = {n: metrics.frame(n, getattr(records, n)) for n in ("tasks", "reviews", "states")}
         want = evaluate({"default": [seed_context({dataset: frames}, schedule, ev.phase_names)]})
         assert [r["measured"] for r in got] == [r["measured"] for r in want]

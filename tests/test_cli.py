@@ -77,7 +77,11 @@ def test_record_tables(main_run):
         assert df.columns == list(metrics.SCHEMAS[name]), name
     tasks = frames["tasks"]
     assert tasks["t"].to_list() == list(range(1, 85))
-    assert set(tasks["dataset"]) == {"math"} and set(tasks["seed"]) == {0} and set(tasks["method"]) == {"meshheal"}
+    assert (
+        set(tasks["dataset"]) == {"math"}
+        and set(tasks["seed"]) == {0}
+        and set(tasks["method"]) == {"meshheal"}
+    )
     assert tasks["calls"].sum() == frames["calls"].height
     assert frames["reviews"].height > 84
     assert tasks.filter(pl.col("t") <= 42)["phase"].unique().to_list() == [0]
@@ -134,7 +138,9 @@ def test_summary_agrees_with_the_records(main_run):
     assert r["tokens_per_task_degraded"]["mean"] == pytest.approx(degraded["tokens"].mean())
     states = frames["states"]
     for a in r["agents"]:
-        isolated = states.filter((pl.col("agent") == a["agent"]) & (pl.col("to") == "isolated") & (pl.col("t") >= 43))
+        isolated = states.filter(
+            (pl.col("agent") == a["agent"]) & (pl.col("to") == "isolated") & (pl.col("t") >= 43)
+        )
         if isolated.height:
             assert a["detection_delay"]["mean"] == isolated["t"].min() - 43
         else:
@@ -174,7 +180,9 @@ def test_prepare_run_dir_reopens_the_same_experiment(tmp_path):
 
 def test_prepare_run_dir_refuses_another_experiment(tmp_path):
     out = tmp_path / "run"
-    prepare_run_dir(Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42), out)
+    prepare_run_dir(
+        Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42), out
+    )
     other = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=84)
     with pytest.raises(MeshHealError, match="different configuration"):
         prepare_run_dir(other, out)
@@ -182,7 +190,19 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
 
 def test_resume_after_losing_a_stream_and_the_summary(tmp_path):
     out = tmp_path / "run"
-    args = ("--methods", "meshheal", "--seeds", "2", "--tasks", "42", "--datasets", "math", "--quiet", "--out", str(out))
+    args = (
+        "--methods",
+        "meshheal",
+        "--seeds",
+        "2",
+        "--tasks",
+        "42",
+        "--datasets",
+        "math",
+        "--quiet",
+        "--out",
+        str(out),
+    )
     first = cli("main", *args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     summary = json.loads((out / "summary.json").read_text())

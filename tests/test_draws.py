@@ -119,8 +119,13 @@ def test_lazy_task_draws_are_task_draws_without_the_calls_block():
     assert lazy.calls_key.shape == (39, 2) and lazy.calls_key.dtype == np.uint32
 
 
-@given(t=st.integers(1, 10**6), seed=st.integers(0, 2**31 - 1), dataset_id=st.integers(0, 9),
-       visit=st.integers(0, D.N_VISITS - 1), rows=st.lists(st.integers(0, D.N_CALL_SLOTS - 1), min_size=1, max_size=4))
+@given(
+    t=st.integers(1, 10**6),
+    seed=st.integers(0, 2**31 - 1),
+    dataset_id=st.integers(0, 9),
+    visit=st.integers(0, D.N_VISITS - 1),
+    rows=st.lists(st.integers(0, D.N_CALL_SLOTS - 1), min_size=1, max_size=4),
+)
 @settings(max_examples=40, deadline=None)
 def test_call_rows_equal_the_calls_block(t, seed, dataset_id, visit, rows):
     full = np.asarray(D.task_draws(seed, dataset_id, t).calls)

@@ -144,14 +144,20 @@ def test_controller_never_reads_health_or_truth():
     blind = dataclasses.replace(world, degraded_from=None, degraded_until=None, true_pair=None)
     step = jax.jit(lambda c: engine.round_step(cfg, params, world, c)[0])
     emit_blind = jax.jit(lambda slots: engine.emit(cfg, params, blind, slots))
-    emulate = jax.jit(lambda backend, requests, draws: engine.emulate(cfg, params, world, backend, requests, draws)[1])
-    absorb_blind = jax.jit(lambda net, slot, resp, draws_t: engine.absorb_slot(cfg, params, blind, net, slot, resp, draws_t))
+    emulate = jax.jit(
+        lambda backend, requests, draws: engine.emulate(cfg, params, world, backend, requests, draws)[1]
+    )
+    absorb_blind = jax.jit(
+        lambda net, slot, resp, draws_t: engine.absorb_slot(cfg, params, blind, net, slot, resp, draws_t)
+    )
     emit_full = jax.jit(lambda slots: engine.emit(cfg, params, world, slots))
     carry = engine.initial_carry(cfg, world)
     for _ in range(8):
         carry = step(carry)  # advance with the full world
         requests = emit_blind(carry.slots)
-        assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, requests, emit_full(carry.slots)))
+        assert jax.tree_util.tree_all(
+            jax.tree_util.tree_map(np.array_equal, requests, emit_full(carry.slots))
+        )
         responses = emulate(carry.backend, requests, carry.draws)
         absorb_blind(carry.net, engine.at(carry.slots, 0), engine.at(responses, 0), engine.at(carry.draws, 0))
 

@@ -59,7 +59,9 @@ def test_lanes_give_the_one_lane_records():
     """Five streams with params per stream (two datasets): lanes of 3 and 2 (+ a padding copy)
     and of 2, 2, 1 (+ copies) against one batch; the lanes run on their own threads, on one
     program traced once."""
-    exp = runner.Experiment(name="main", datasets=("bbh", "math"), pairs=("default",), seeds=(0, 1, 2), n_tasks=84)
+    exp = runner.Experiment(
+        name="main", datasets=("bbh", "math"), pairs=("default",), seeds=(0, 1, 2), n_tasks=84
+    )
     specs = _specs(exp)[:5]
     one = engine.run_streams(specs, exp.protocol, lanes=1)
     for lanes in (2, 3):
@@ -84,7 +86,9 @@ def test_runner_lanes_and_the_default(tmp_path):
     exp = runner.Experiment(name="main", datasets=("bbh",), pairs=("default",), seeds=(0, 1, 2), n_tasks=84)
     one = runner.run(exp, tmp_path / "one", progress=False, lanes=1)
     default = runner.run(exp, tmp_path / "default", progress=False)  # one lane per core
-    _assert_same_records({n: getattr(one, n) for n in runner.TABLES}, {n: getattr(default, n) for n in runner.TABLES})
+    _assert_same_records(
+        {n: getattr(one, n) for n in runner.TABLES}, {n: getattr(default, n) for n in runner.TABLES}
+    )
     with pytest.raises(MeshHealError, match="--lanes must be >= 1"):
         runner.run(exp, tmp_path / "zero", progress=False, lanes=0)
 
@@ -119,7 +123,9 @@ def test_batch_benchmark_runs_lanes():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| 2 |")]
-    assert len(rows) == 1 and float(rows[0][2].replace(",", "")) > 0 and float(rows[0][3].replace(",", "")) > 0
+    assert (
+        len(rows) == 1 and float(rows[0][2].replace(",", "")) > 0 and float(rows[0][3].replace(",", "")) > 0
+    )
 
 
 def test_a_failing_lane_stops_the_others_and_raises():

@@ -672,7 +672,9 @@ def test_a_chat_completion_without_a_json_content_type_is_read():
         async with ScriptedServer(script=lambda b, i: Reply(raw=raw, content_type="text/plain")) as server:
             async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
                 (response,) = await client.run_batch([gen_request(1)])
-            assert response.parsed[0].answer == "(B)" and response.prompt_tokens == 5 and response.retries == 0
+            assert (
+                response.parsed[0].answer == "(B)" and response.prompt_tokens == 5 and response.retries == 0
+            )
 
     run(scenario())
 

@@ -84,10 +84,16 @@ def well_formed(role: str, body: dict) -> str:
         score = 0.5 if role == "weak" else (0.25 if WRONG in judged else 1.0)
         return review_reply(score, "finalize" if fmt == "finalize_review" else "contribute", evidence=WRONG)
     if fmt == "agent_choice":  # baselines: a router / manager names the lowest-numbered candidate
-        return json.dumps({"agent": min(body["response_format"]["json_schema"]["schema"]["properties"]["agent"]["enum"])})
-    if fmt == "answer_evaluation":  # baselines (SAC): the other team's answer scores low iff it is the wrong one
+        return json.dumps(
+            {"agent": min(body["response_format"]["json_schema"]["schema"]["properties"]["agent"]["enum"])}
+        )
+    if (
+        fmt == "answer_evaluation"
+    ):  # baselines (SAC): the other team's answer scores low iff it is the wrong one
         other = content.split("Another team's answer:\n<<<\n", 1)[1].split("\n>>>", 1)[0]
-        return json.dumps({"own_score": 1.0, "other_score": 0.25 if WRONG in other else 1.0, "one_sentence_reason": "."})
+        return json.dumps(
+            {"own_score": 1.0, "other_score": 0.25 if WRONG in other else 1.0, "one_sentence_reason": "."}
+        )
     if CONTRIBUTE_MARK in content or PARTIAL_MARK in content:
         return "COMPETENCE_MATCH:partial\nI did my part.\nRESULT: partial result\nHANDOFF: finish the task"
     answer = _gold(content) if role == "strong" else WRONG
@@ -327,7 +333,9 @@ def test_absorb_compiled_ahead_is_the_one_the_loop_calls():
     specs = [bbh_spec(seed) for seed in (0, 1, 2)]
     cfg = engine.engine_config(specs, ProtocolParams(), 1)
     params = engine.make_params(ProtocolParams(), specs[0].pair, PROFILE, cfg.n_agents)
-    worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, 5) for s in specs])  # K = 5: complete, 6 agents
+    worlds = engine.stack(
+        [engine.make_world(s.network, s.stream, s.schedule, 5) for s in specs]
+    )  # K = 5: complete, 6 agents
     carry = engine.initial_carries(cfg, worlds)
     live_loop._absorb.clear_cache()  # whatever earlier tests compiled
     before = dict(live_loop.TRACES)

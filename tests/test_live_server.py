@@ -220,7 +220,9 @@ def test_a_baseline_through_the_real_server(tiny_server, tmp_path):
     base_url, model_dir = tiny_server
     groups = tuple(ServerGroup(role, (base_url,), model_id=tiny.TINY_MODEL_ID, served_name=str(model_dir),
                                max_in_flight=8) for role in ("strong", "weak"))  # fmt: skip
-    options = LiveOptions(max_completion_tokens=dict.fromkeys(LiveOptions().max_completion_tokens, TINY_MAX_TOKENS))
+    options = LiveOptions(
+        max_completion_tokens=dict.fromkeys(LiveOptions().max_completion_tokens, TINY_MAX_TOKENS)
+    )
     rows = live_baseline_tables("autogen", bbh_specs((0,)), "default", LiveConfig(groups, retry=FAST_RETRY),
                                 load_sample("bbh"), run_dir=tmp_path, options=options)  # fmt: skip
     calls = pl.DataFrame(rows[0]["calls"], infer_schema_length=None)

@@ -227,7 +227,9 @@ def test_jax_batches_side_by_side_keep_what_finished_when_one_fails(tmp_path, mo
     """JAX engine: MeshHeal's batch and the baselines' run side by side (decisions R5). A failed
     batch does not lose the others' streams: they are written, the error is raised, and the rerun
     runs only the failed batch's streams; the result equals an uninterrupted run's."""
-    exp = dataclasses.replace(main_experiment(), engine="jax", methods=("meshheal", "raps", "sac"), seeds=(0,))
+    exp = dataclasses.replace(
+        main_experiment(), engine="jax", methods=("meshheal", "raps", "sac"), seeds=(0,)
+    )
     baseline = runner.run_baseline_streams
 
     def failing(exp_, method, streams, *rest):

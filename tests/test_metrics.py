@@ -153,7 +153,9 @@ def test_stat_ignores_nan():
 # ----------------------------------------------------------------------------------------------
 
 
-def review(degraded, q0, q, committee, takeover=False, action="contribute", before=True, after=None, probe=False):
+def review(
+    degraded, q0, q, committee, takeover=False, action="contribute", before=True, after=None, probe=False
+):
     return {"method": "meshheal", "dataset": "math", "pair": "default", "seed": 0, "t": 1, "visit": 0,
             "action": action, "author": 2 if degraded else 0, "ability": 0, "author_degraded": degraded,
             "probe": probe, "q0": q0, "q": q, "committee": committee, "takeover": takeover,

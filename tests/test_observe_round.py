@@ -93,8 +93,10 @@ def test_observe_round_equals_one_by_one(detector, width, later_width, data):
         detector, p, world, net, evidence, order, observations, width, later_width
     )
     kept = np.asarray(evidence.valid)
-    net_leaves = [(f"net.{f.name}", getattr(net_fast, f.name), getattr(net_slow, f.name), None)
-                  for f in dataclasses.fields(engine.Net)]  # every field, the kept means included
+    net_leaves = [
+        (f"net.{f.name}", getattr(net_fast, f.name), getattr(net_slow, f.name), None)
+        for f in dataclasses.fields(engine.Net)
+    ]  # every field, the kept means included
     obs_leaves = [(f"obs.{f.name}", getattr(obs_fast, f.name), getattr(obs_slow, f.name), kept)
                   for f in dataclasses.fields(engine.Observation)]  # fmt: skip
     for name, a, b, mask in net_leaves + obs_leaves:
@@ -121,11 +123,23 @@ def test_first_wave_on_a_hand_built_round():
     # the absolute / cusum detectors read no neighbour: only same-author order matters
     authors = jnp.asarray([0, 2, 1, 0, 2], jnp.int32)
     evidence = jnp.asarray([True, True, True, True, False])
-    assert engine.first_wave(world, order, authors, evidence, "cusum").tolist() == [True, True, True, False, True]
+    assert engine.first_wave(world, order, authors, evidence, "cusum").tolist() == [
+        True,
+        True,
+        True,
+        False,
+        True,
+    ]
     assert engine.first_wave(world, order, authors, evidence).tolist() == [True, True, False, False, True]
     # task order, not slot order: slot 3 (evidence on agent 0) first now, so slot 0 waits for it
     order = jnp.asarray([3, 0, 1, 2, 4], jnp.int32)
-    assert engine.first_wave(world, order, authors, evidence, "cusum").tolist() == [False, True, True, True, True]
+    assert engine.first_wave(world, order, authors, evidence, "cusum").tolist() == [
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
 
 
 def test_median_of_3_equals_sorting():
@@ -134,13 +148,24 @@ def test_median_of_3_equals_sorting():
         assert float(engine.median_of_3(jnp.asarray(x))) == float(np.sort(x)[1])
 
 
-FLOATS = st.one_of(st.floats(allow_nan=False, allow_infinity=True, width=64).filter(lambda x: x != 0 or np.copysign(1, x) > 0),
-                   st.sampled_from([0.0, 1.0, -1.0, 0.25, np.inf, 5e-324, -5e-324, 1.7976931348623157e308]))
+FLOATS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=True, width=64).filter(
+        lambda x: x != 0 or np.copysign(1, x) > 0
+    ),
+    st.sampled_from([0.0, 1.0, -1.0, 0.25, np.inf, 5e-324, -5e-324, 1.7976931348623157e308]),
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 4).flatmap(lambda rows: st.integers(1, 45).flatmap(
-    lambda n: st.lists(FLOATS, min_size=rows * n, max_size=rows * n).map(lambda v: np.reshape(v, (rows, n))))))
+@given(
+    st.integers(1, 4).flatmap(
+        lambda rows: st.integers(1, 45).flatmap(
+            lambda n: st.lists(FLOATS, min_size=rows * n, max_size=rows * n).map(
+                lambda v: np.reshape(v, (rows, n))
+            )
+        )
+    )
+)
 def test_sort_floats_equals_sort(values):
     """The detector's pool sort (int64 keys in IEEE total order) gives np.sort's (= jnp.sort's) values,
     bit for bit, for any float64 without NaN or -0.0 (duplicates, +-inf, subnormals, the largest floats)."""

@@ -108,7 +108,10 @@ def test_packaged_profile_satisfies_the_rules(dataset):
 
 
 def test_bbh_holdings_per_agent(bbh_profile):
-    got = {f"A{k + 1}": {bbh_profile.abilities[s] for s in np.flatnonzero(bbh_profile.holds[k])} for k in range(6)}
+    got = {
+        f"A{k + 1}": {bbh_profile.abilities[s] for s in np.flatnonzero(bbh_profile.holds[k])}
+        for k in range(6)
+    }
     assert got == BBH_HOLDINGS
 
 
@@ -189,7 +192,9 @@ def test_unmutated_document_is_accepted(bbh_doc):
 
 def test_ability_held_by_two_agents(bbh_doc):
     ability_row(bbh_doc, "temporal")["holders"] = ["A2", "A3"]
-    reject(bbh_doc, "rule 'every ability is held by exactly three agents'", "'temporal'", "has 2", "mutant.toml")
+    reject(
+        bbh_doc, "rule 'every ability is held by exactly three agents'", "'temporal'", "has 2", "mutant.toml"
+    )
 
 
 def test_ability_held_by_four_agents(bbh_doc):

@@ -165,7 +165,9 @@ def test_call_counts(records):
     for task in records.tasks:
         t = task["t"]
         assert task["calls"] == calls_per_t.get(t, 0)
-        assert task["tokens"] == sum(c["prompt_tokens"] + c["completion_tokens"] for c in records.calls if c["t"] == t)
+        assert task["tokens"] == sum(
+            c["prompt_tokens"] + c["completion_tokens"] for c in records.calls if c["t"] == t
+        )
         rows = reviews_by_t.get(t, [])
         kinds = kinds_by_t.get(t, Counter())
         # 1 inference + per output: 1 generation (+3 review samples, +4 committee, +3 Takeover)
@@ -175,8 +177,15 @@ def test_call_counts(records):
         assert kinds["review"] == 3 * len(rows)
         assert kinds["committee1"] == kinds["committee2"] == 2 * n_committee
         assert kinds["candidate"] == 2 * n_takeover and kinds["synthesis"] == n_takeover
-        assert task["calls"] == kinds["infer"] + kinds["generate"] + 3 * len(rows) + 4 * n_committee + 3 * n_takeover
-        if task["answered"] and not task["unreviewed"] and not any(r["committee"] or r["probe"] for r in rows):
+        assert (
+            task["calls"]
+            == kinds["infer"] + kinds["generate"] + 3 * len(rows) + 4 * n_committee + 3 * n_takeover
+        )
+        if (
+            task["answered"]
+            and not task["unreviewed"]
+            and not any(r["committee"] or r["probe"] for r in rows)
+        ):
             assert len(rows) == 2  # one Contribute and one Finalize
             assert task["calls"] == 9
             plain += 1

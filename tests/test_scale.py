@@ -48,7 +48,18 @@ RESULT_KEYS = {
     "seeds", *RESULT_STATS,
 }  # fmt: skip
 JAX_ARGS = ("--agents", str(N_AGENTS), "--sparse", "--seeds", "2", "--quiet")
-REF_ARGS = ("--agents", str(N_AGENTS), "--compare", "--seeds", "2", "--engine", "reference", "--slots", "1", "--quiet")
+REF_ARGS = (
+    "--agents",
+    str(N_AGENTS),
+    "--compare",
+    "--seeds",
+    "2",
+    "--engine",
+    "reference",
+    "--slots",
+    "1",
+    "--quiet",
+)
 
 
 def parse(*args: str) -> ScaleConfig:
@@ -104,7 +115,9 @@ def numbers(result: dict) -> dict:
 
 
 def file_snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +131,12 @@ def jax_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("scale-jax") / "run"
     cfg = parse(*JAX_ARGS, "--out", str(out))
     printed = run_body(cfg)
-    return {"cfg": cfg, "out": out, "printed": printed, "summary": json.loads((out / "summary.json").read_text())}
+    return {
+        "cfg": cfg,
+        "out": out,
+        "printed": printed,
+        "summary": json.loads((out / "summary.json").read_text()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +145,12 @@ def ref_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("scale-ref") / "run"
     cfg = parse(*REF_ARGS, "--out", str(out))
     printed = run_body(cfg)
-    return {"cfg": cfg, "out": out, "printed": printed, "summary": json.loads((out / "summary.json").read_text())}
+    return {
+        "cfg": cfg,
+        "out": out,
+        "printed": printed,
+        "summary": json.loads((out / "summary.json").read_text()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +229,9 @@ def test_slots_flag_is_accepted_up_to_n_over_6(monkeypatch, capsys, tmp_path):
         exp.validate()
     assert scale.experiment(parse("--agents", "576"), "sparse").slots == 96
     out = tmp_path / "out"
-    code, err = cli_in_process(monkeypatch, capsys, "--agents", "12", "--slots", "3", "--quiet", "--out", str(out))
+    code, err = cli_in_process(
+        monkeypatch, capsys, "--agents", "12", "--slots", "3", "--quiet", "--out", str(out)
+    )
     assert_one_line_error(code, err, "slots", "N/6")
     assert not out.exists()
 
@@ -269,7 +294,12 @@ def test_printed_table(jax_run):
      (96, "complete", None), (102, "sparse", None), (12, "sparse", None)],
 )  # fmt: skip
 def test_paper_edge_count_is_printed_only_for_its_sizes(jax_run, capsys, n_agents, topology_name, paper):
-    result = {**jax_run["summary"]["results"][0], "n_agents": n_agents, "topology": topology_name, "edges": 1234}
+    result = {
+        **jax_run["summary"]["results"][0],
+        "n_agents": n_agents,
+        "topology": topology_name,
+        "edges": 1234,
+    }
     scale.print_summary({**jax_run["summary"], "results": [result]})
     printed = capsys.readouterr().out
     assert "1,234" in printed
@@ -302,15 +332,21 @@ def test_rerunning_the_same_command_reuses_the_streams(jax_run):
 def test_resume_after_losing_one_stream(ref_run, monkeypatch):
     out = ref_run["out"]
     frames = {name: pl.read_parquet(out / "sparse" / f"{name}.parquet") for name in TABLES}
-    kept = file_snapshot(out / "sparse" / "parts" / "meshheal-bbh-default-seed0") | file_snapshot(out / "complete" / "parts")
+    kept = file_snapshot(out / "sparse" / "parts" / "meshheal-bbh-default-seed0") | file_snapshot(
+        out / "complete" / "parts"
+    )
     shutil.rmtree(out / "sparse" / "parts" / "meshheal-bbh-default-seed1")
     (out / "summary.json").unlink()
     ran = []
     original = runner.run_one_stream
-    monkeypatch.setattr(runner, "run_one_stream", lambda exp, *s: ran.append((exp.topology, *s)) or original(exp, *s))
+    monkeypatch.setattr(
+        runner, "run_one_stream", lambda exp, *s: ran.append((exp.topology, *s)) or original(exp, *s)
+    )
     run_body(ref_run["cfg"])
     assert ran == [("sparse", "bbh", "default", 1)]
-    now = file_snapshot(out / "sparse" / "parts" / "meshheal-bbh-default-seed0") | file_snapshot(out / "complete" / "parts")
+    now = file_snapshot(out / "sparse" / "parts" / "meshheal-bbh-default-seed0") | file_snapshot(
+        out / "complete" / "parts"
+    )
     assert now == kept
     again = json.loads((out / "summary.json").read_text())
     assert [numbers(r) for r in again["results"]] == [numbers(r) for r in ref_run["summary"]["results"]]
@@ -387,7 +423,9 @@ def test_edges_file_breaking_a_requirement_exits_2(monkeypatch, capsys, tmp_path
     agent = 2  # A3 of replica 0, a degraded target
     ability = int(np.flatnonzero(holds[agent])[0])
     holders = {j for j in range(N_AGENTS) if holds[j, ability] and not degraded[j]}
-    links = [k for k, (i, j) in enumerate(edges.tolist()) if agent in (i, j) and ({i, j} - {agent}) <= holders]
+    links = [
+        k for k, (i, j) in enumerate(edges.tolist()) if agent in (i, j) and ({i, j} - {agent}) <= holders
+    ]
     assert len(links) >= 2
     broken = np.delete(edges, links[1:], axis=0)  # keep one healthy holder: a target needs two
     n_parts, _ = scipy.sparse.csgraph.connected_components(graphs.csr(broken, N_AGENTS), directed=False)
@@ -442,7 +480,9 @@ def assert_outcomes_agree(states: pl.DataFrame, schedule: HealthSchedule) -> dic
     matrix = metrics.state_matrix(states, schedule.n_agents, schedule.n_tasks)
     assert scaled["degraded"] == len(schedule.intervals)
     assert scaled["missed"] == len(agents) - len(delays)
-    assert scaled["isolated_degraded"] == sum(matrix[end - 1, agent] == "isolated" for agent, _, end in schedule.intervals)
+    assert scaled["isolated_degraded"] == sum(
+        matrix[end - 1, agent] == "isolated" for agent, _, end in schedule.intervals
+    )
     if delays:
         assert scaled["detection_delay_mean"] == pytest.approx(float(np.mean(delays)))
         assert scaled["detection_delay_median"] == pytest.approx(float(np.median(delays)))
@@ -471,7 +511,9 @@ def test_stream_metrics_missed_is_the_same_either_way(six_agent_runs):
     for exp, results in six_agent_runs:
         _, phase_names = exp.phases()
         for seed in exp.seeds:
-            frames = [df.filter(pl.col("seed") == seed) for df in (results.tasks, results.reviews, results.states)]
+            frames = [
+                df.filter(pl.col("seed") == seed) for df in (results.tasks, results.reviews, results.states)
+            ]
             full = metrics.stream_metrics(*frames, exp.schedule(), phase_names, per_agent=True)
             large = metrics.stream_metrics(*frames, exp.schedule(), phase_names, per_agent=False)
             assert large["missed"] == full["missed"]

@@ -152,10 +152,14 @@ def test_emulator_scalar_reaches_the_parameters():
 def test_question_difficulty_is_sweepable_and_reaches_the_parameters():
     grid, _, batch, params = swept_params("strong.difficulty_spread=0,1.5")
     flat, spread = (np.asarray(p.p_part[0, 0]) for p in params)  # the strong model, first task type, per bin
-    assert np.all(flat == flat[0]) and np.all(np.diff(spread) < 0)  # 0: every bin alike; 1.5: harder bins lower
+    assert np.all(flat == flat[0]) and np.all(
+        np.diff(spread) < 0
+    )  # 0: every bin alike; 1.5: harder bins lower
     sweep.check_effect(grid, batch, params)
     with pytest.raises(MeshHealError, match="weak.review_difficulty must be >= 0"):
-        sweep.grid_points(sweep.parse_grid(["weak.review_difficulty=-1,1"]), ProtocolParams(), load_pair("default"))
+        sweep.grid_points(
+            sweep.parse_grid(["weak.review_difficulty=-1,1"]), ProtocolParams(), load_pair("default")
+        )
 
 
 def test_static_parameter_exits_2_naming_the_static_ones(tmp_path):

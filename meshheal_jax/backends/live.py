@@ -741,7 +741,9 @@ class LiveClient:
                         return payload, attempt
                     # a 200 that is not a chat completion (a proxy's page, a half-written body):
                     # retried like a 5xx, on the next server of the role if there is one
-                    last_error = "HTTP 200 with something that is not a chat completion: " + _short(repr(reply), 200)
+                    last_error = "HTTP 200 with something that is not a chat completion: " + _short(
+                        repr(reply), 200
+                    )
                 finally:
                     server.stats.in_flight -= 1
             if server.stats.base_url not in tried:
@@ -759,7 +761,13 @@ class LiveClient:
 _MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
 # the order in which the SDK's `chat.completions.create` lays out these fields (after model, messages)
 _SDK_BODY_ORDER = (
-    "max_completion_tokens", "n", "reasoning_effort", "response_format", "seed", "temperature", "top_p"
+    "max_completion_tokens",
+    "n",
+    "reasoning_effort",
+    "response_format",
+    "seed",
+    "temperature",
+    "top_p",
 )
 
 

@@ -410,7 +410,9 @@ def run_live_baselines(
 
 def live_baseline_tables(*args, **kwargs) -> list[dict[str, list[dict]]]:
     """`run_live_baselines` with each table as a list of row dicts (as `baselines.run_baseline_streams`)."""
-    return [{name: df.to_dicts() for name, df in frames.items()} for frames in run_live_baselines(*args, **kwargs)]
+    return [
+        {name: df.to_dicts() for name, df in frames.items()} for frames in run_live_baselines(*args, **kwargs)
+    ]
 
 
 __all__ = ["CACHE_FILE", "LiveBaselineHost", "live_baseline_tables", "run_live_baselines"]

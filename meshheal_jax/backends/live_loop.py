@@ -184,7 +184,9 @@ def _compile_absorb(pool: ThreadPoolExecutor, cfg: engine.EngineConfig, p, world
         n_streams, n_slots = requests.mask.shape[:2]
         empty = np.zeros((n_streams, n_slots), np.int32)
         before = dataclasses.replace(carry, backend=_backend_state(carry.backend, [], {}, empty))
-        responses = engine.Responses(**{k: jnp.asarray(v) for k, v in _empty_responses(n_streams, n_slots).items()})
+        responses = engine.Responses(
+            **{k: jnp.asarray(v) for k, v in _empty_responses(n_streams, n_slots).items()}
+        )
         jax.block_until_ready(_absorb(cfg, p, worlds, before, requests, responses, params_batched))
 
     return pool.submit(work)

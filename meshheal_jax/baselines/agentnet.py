@@ -201,7 +201,9 @@ def task_step(params: AgentNetParams, emu: C.Emu, world: C.World, state: AgentNe
         s = C.pick_from_mask(d.route[v, D.HOP_ABILITY], missing)
         role = C.role_of(world, path.agent, -1, t)
         if emu.live:  # the router LLM names a neighbour; one it may not use -> the score rule
-            usable, eligible, score = router_inputs(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty)
+            usable, eligible, score = router_inputs(
+                params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty
+            )
             asked = (s >= 0) & usable.any()  # no candidate to name: no call (and none recorded)
             r = C.live_reply("router", world, t, valid & asked, after=path.draft_tokens,
                              agent=path.agent, role=role, ability=s, visit=v, execution=0,

@@ -237,7 +237,9 @@ class Emu:
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: jax.Array  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4 anchors)
+    review_thr: (
+        jax.Array
+    )  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4 anchors)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
     prompt: jax.Array  # (2, len(KINDS)) int32 template tokens
@@ -386,7 +388,9 @@ def live_reply(op: str, world: World, t, valid, *, after=0, vectors=None, **fiel
     wait = jnp.sum(jnp.asarray(after, jnp.float64))
     scalars = {"seed": world.seed, "dataset_id": world.dataset_id, "t": t, "after": wait, **fields}
     scalars = {k: jnp.broadcast_to(jnp.asarray(v), shape) for k, v in scalars.items()}
-    vectors = {k: jnp.broadcast_to(jnp.asarray(v), shape + jnp.shape(v)[-1:]) for k, v in (vectors or {}).items()}
+    vectors = {
+        k: jnp.broadcast_to(jnp.asarray(v), shape + jnp.shape(v)[-1:]) for k, v in (vectors or {}).items()
+    }
     result = {k: jax.ShapeDtypeStruct(shape, dtype) for k, dtype in REPLY_FIELDS.items()}
     out = jax.pure_callback(functools.partial(_answer, op), result, valid, scalars, vectors,
                             vmap_method="broadcast_all")  # fmt: skip
@@ -786,7 +790,12 @@ def path_route(path: Path) -> jax.Array:
 
 
 def frames(
-    out: TaskOut, stream: Stream, schedule: HealthSchedule, pair: Pair, labels: dict, trace: dict | None = None
+    out: TaskOut,
+    stream: Stream,
+    schedule: HealthSchedule,
+    pair: Pair,
+    labels: dict,
+    trace: dict | None = None,
 ) -> dict[str, pl.DataFrame]:
     """One stream's (n_tasks, ...) TaskOut (numpy) -> the four tables as polars frames with the
     columns of metrics.SCHEMAS, built column by column (a row is a task, a valid call slot, a

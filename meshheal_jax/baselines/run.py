@@ -128,7 +128,11 @@ def _run_live(host, program):
             while not finished.wait(0.2):
                 pass
         except KeyboardInterrupt:
-            host.stop(KeyboardInterrupt("live baseline run interrupted; every reply received is in the response cache"))
+            host.stop(
+                KeyboardInterrupt(
+                    "live baseline run interrupted; every reply received is in the response cache"
+                )
+            )
             while True:  # the program ends quickly once nothing is sent; a second Ctrl-C waits too
                 try:
                     finished.wait()
@@ -143,7 +147,9 @@ def _run_live(host, program):
     return result["out"]
 
 
-def run_baseline_frames(method: str, specs: list, pair: Pair | str, params=None, live=None) -> list[dict[str, pl.DataFrame]]:
+def run_baseline_frames(
+    method: str, specs: list, pair: Pair | str, params=None, live=None
+) -> list[dict[str, pl.DataFrame]]:
     """Run `method` on every stream (one compiled, vmapped program); per stream the four tables
     (tasks, reviews, states, calls) as polars frames with the columns of metrics.SCHEMAS.
 

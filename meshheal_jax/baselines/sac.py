@@ -175,7 +175,9 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
             anchor = C.review_score(emu, world, t, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
             scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
             eval_completion = C.completion_tokens(emu, judge, C.K_EVALUATE, u_eval[..., D.U_TOKENS])
-            eval_prompt = emu.prompt[judge, C.K_EVALUATE] + emu.question_tokens + tokens[:, None] + tokens[others]
+            eval_prompt = (
+                emu.prompt[judge, C.K_EVALUATE] + emu.question_tokens + tokens[:, None] + tokens[others]
+            )
             eval_request = -1
         dropped = filter_answers(params.max_filtered, scores, anchor, valid)
         retained = valid & ~dropped
