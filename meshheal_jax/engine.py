@@ -58,15 +58,17 @@ MAX_ROUTE = 10
 END_NAMES = ("", "move budget", "unreachable ability", "no non-isolated agent reachable")
 REASON_NAMES = (
     "",
+    # relative, absolute
     "z>=alpha",
     "consecutive z>=beta",
     "z<alpha",
-    "probe z<beta",  # relative, absolute
+    "probe z<beta",
+    # cusum
     "S>=h/2",
     "S>=h",
     "S<h/2",
     "probe S<h",
-)  # cusum
+)
 
 
 def pytree(cls):
@@ -125,9 +127,8 @@ class Params:
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: (
-        jax.Array
-    )  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4)
+    # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4)
+    review_thr: jax.Array
     round2_thr: jax.Array  # (2, 2, 3, DIFFICULTY_BINS, 4)
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, 7 kinds, 2 [min, max]) int
@@ -809,9 +810,8 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     missing = required & ~slot.covered
     isolated_relay = (net.state[i] == ISOLATED) & ~slot.probe_visit
     nb, valid, nbc = neighbours_of(world, i)
-    eligible = (net.state[nbc] == ISOLATED) & (
-        t - net.probe_timer[nbc] >= p.probe_interval
-    )  # (K,): not all N
+    # (K,): not all N
+    eligible = (net.state[nbc] == ISOLATED) & (t - net.probe_timer[nbc] >= p.probe_interval)
     candidates = valid & eligible & jnp.any(world.holds[nbc] & missing[None, :], axis=1)
     within = (slot.moves + 1 <= p.move_limit) & (slot.since + 1 <= p.route_limit)
     probing = ~isolated_relay & ~slot.probe_visit & candidates.any() & within
@@ -1064,34 +1064,21 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     rev_out = dict(out, score=jnp.stack([s0, s1, s2]), role=jnp.full(3, role_r), truth=judged_truth,
                    prompt=jnp.full(3, p.prompt[role_r, K_REVIEW] + judged, jnp.int32), completion=jnp.stack([c0, c1, c2]))  # fmt: skip
 
-    a0, ca0, ra0 = sample(K_COMMITTEE1, 0, p.review_thr, 0.0, False, p.rho_same)
-    a1, ca1, ra1 = sample(K_COMMITTEE1, 1, p.review_thr, 0.0, False, p.rho_same)
-    r1_prompt = jnp.stack([p.prompt[ra0, K_COMMITTEE1], p.prompt[ra1, K_COMMITTEE1], 0]) + judged
-    r1_out = dict(
-        out,
-        score=jnp.stack([a0, a1, 0.0]),
-        prompt=r1_prompt.at[2].set(0),
-        completion=jnp.stack([ca0, ca1, 0]),
-        role=jnp.stack([ra0, ra1, 0]),
-        truth=judged_truth,
-    )
-    r1_b = dataclasses.replace(b, explanation_tokens=_visible(p, ra0, ca0) + _visible(p, ra1, ca1))
+    def committee_round(kind, thr_table, repeat_of, use_repeat, p_repeat, context):
+        """Members A and B's samples of one committee round, as the slot's response and (role,
+        completion) per member."""
+        (x0, c0, r0), (x1, c1, r1) = (
+            sample(kind, k, thr_table, repeat_of[k], use_repeat, p_repeat) for k in (0, 1)
+        )
+        prompt = jnp.stack([p.prompt[r0, kind], p.prompt[r1, kind], 0]) + context
+        response = dict(out, score=jnp.stack([x0, x1, 0.0]), prompt=prompt.at[2].set(0),
+                        completion=jnp.stack([c0, c1, 0]), role=jnp.stack([r0, r1, 0]), truth=judged_truth)  # fmt: skip
+        return response, ((r0, c0), (r1, c1))
 
-    v0, cv0, rv0 = sample(K_COMMITTEE2, 0, p.round2_thr, r.other_score[0], True, p.p_follow)
-    v1, cv1, rv1 = sample(K_COMMITTEE2, 1, p.round2_thr, r.other_score[1], True, p.p_follow)
-    r2_prompt = (
-        jnp.stack([p.prompt[rv0, K_COMMITTEE2], p.prompt[rv1, K_COMMITTEE2], 0])
-        + judged
-        + b.explanation_tokens
-    )
-    r2_out = dict(
-        out,
-        score=jnp.stack([v0, v1, 0.0]),
-        prompt=r2_prompt.at[2].set(0),
-        completion=jnp.stack([cv0, cv1, 0]),
-        role=jnp.stack([rv0, rv1, 0]),
-        truth=judged_truth,
-    )
+    r1_out, members = committee_round(K_COMMITTEE1, p.review_thr, (0.0, 0.0), False, p.rho_same, judged)
+    r1_b = dataclasses.replace(b, explanation_tokens=_visible(p, *members[0]) + _visible(p, *members[1]))
+    r2_out, _ = committee_round(K_COMMITTEE2, p.round2_thr, r.other_score, True, p.p_follow,
+                                judged + b.explanation_tokens)  # fmt: skip
 
     # takeover: candidates, then synthesis by member A
     def candidate(k):
@@ -1138,9 +1125,8 @@ def emulate(cfg: EngineConfig, p: Params, world: World, backend: Backend, reques
     now (`D.call_rows`, equal to `task_draws(...).calls[visit, row]`); the other rows repeat them
     and are read only by the phase branches `emulate_slot` discards."""
     rows = D.call_rows(draws.calls_key, requests.visit, jnp.asarray(_ROWS_TABLE)[requests.phase])  # (S, 3, 4)
-    u_calls = jnp.take_along_axis(
-        rows, jnp.asarray(_ROW_POSITION)[requests.phase][:, :, None], axis=1
-    )  # (S, 11, 4)
+    position = jnp.asarray(_ROW_POSITION)[requests.phase][:, :, None]
+    u_calls = jnp.take_along_axis(rows, position, axis=1)  # (S, 11, 4)
     u_infer = draws.infer  # (S, 3)
     return jax.vmap(emulate_slot, in_axes=(None, None, 0, 0, 0, 0))(
         p, world, backend, requests, u_calls, u_infer
@@ -1664,10 +1650,8 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     groups = lane_streams(len(specs), lanes)
     chunk = default_chunk(cfg.slots, len(groups[0])) if chunk is None else chunk
     done_tasks = [0] * len(groups)
-    lock, stop = (
-        threading.Lock(),
-        threading.Event(),
-    )  # stop: another lane failed or the caller was interrupted
+    lock = threading.Lock()
+    stop = threading.Event()  # another lane failed or the caller was interrupted
 
     def lane(k: int, members: list[int]):
         try:
@@ -1713,9 +1697,8 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
                 while futures_wait(futures, timeout=0.2).not_done:
                     pass  # short waits: Ctrl-C reaches the main thread only while it runs Python
                 finished = [future.result() for future in futures]
-            except (
-                BaseException
-            ):  # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
+            # Ctrl-C: the lanes stop at their next chunk (a failing lane stops them itself)
+            except BaseException:
                 stop.set()
                 raise
     if any(lane_out is None for lane_out in finished):

@@ -333,9 +333,8 @@ def test_absorb_compiled_ahead_is_the_one_the_loop_calls():
     specs = [bbh_spec(seed) for seed in (0, 1, 2)]
     cfg = engine.engine_config(specs, ProtocolParams(), 1)
     params = engine.make_params(ProtocolParams(), specs[0].pair, PROFILE, cfg.n_agents)
-    worlds = engine.stack(
-        [engine.make_world(s.network, s.stream, s.schedule, 5) for s in specs]
-    )  # K = 5: complete, 6 agents
+    k_max = 5  # complete graph, 6 agents
+    worlds = engine.stack([engine.make_world(s.network, s.stream, s.schedule, k_max) for s in specs])
     carry = engine.initial_carries(cfg, worlds)
     live_loop._absorb.clear_cache()  # whatever earlier tests compiled
     before = dict(live_loop.TRACES)

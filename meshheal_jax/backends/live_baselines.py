@@ -102,9 +102,8 @@ class _Execution:
 
     pair: int | None = None  # the inferred pair's index in the profile
     outputs: dict[int, str] = dataclasses.field(default_factory=dict)  # visit -> output text
-    accepted: list[tuple[int, prompts.PriorOutput]] = dataclasses.field(
-        default_factory=list
-    )  # (visit, output)
+    # (visit, output)
+    accepted: list[tuple[int, prompts.PriorOutput]] = dataclasses.field(default_factory=list)
     answer: str = ""  # the execution's current final answer (after refinement, for SAC)
 
 
@@ -410,9 +409,9 @@ def run_live_baselines(
 
 def live_baseline_tables(*args, **kwargs) -> list[dict[str, list[dict]]]:
     """`run_live_baselines` with each table as a list of row dicts (as `baselines.run_baseline_streams`)."""
-    return [
-        {name: df.to_dicts() for name, df in frames.items()} for frames in run_live_baselines(*args, **kwargs)
-    ]
+    from meshheal_jax.baselines import run as R
+
+    return R.as_rows(run_live_baselines(*args, **kwargs))
 
 
 __all__ = ["CACHE_FILE", "LiveBaselineHost", "live_baseline_tables", "run_live_baselines"]

@@ -174,9 +174,8 @@ def credit_agents(params: AgentNetParams, state: AgentNetState, on_route, used_a
     countdown = jnp.where(this_type & success, params.decay_interval, countdown)
     decays = on_route[:, None] & started & (countdown <= 0)  # (N, T)
     countdown = jnp.where(decays, params.decay_interval, countdown)
-    n_decays = decays.astype(jnp.int32) @ type_abilities.astype(
-        jnp.int32
-    )  # (N, A) types decaying each ability
+    # (N, A) types decaying each ability
+    n_decays = decays.astype(jnp.int32) @ type_abilities.astype(jnp.int32)
     decayed = jnp.maximum(params.ability_floor, ability * params.decay_factor**n_decays)
     ability = jnp.where(n_decays > 0, decayed, ability)
     return dataclasses.replace(state, ability=ability, successes=successes, totals=totals,

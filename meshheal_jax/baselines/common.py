@@ -237,9 +237,8 @@ class Emu:
     p_fix: jax.Array  # (2,)
     p_keep: jax.Array  # (2,)
     answer_fraction: jax.Array  # (2,)
-    review_thr: (
-        jax.Array
-    )  # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4 anchors)
+    # (2 reviewer, 2 author role, 3 judged classes (params.JUDGED_*), DIFFICULTY_BINS, 4 anchors)
+    review_thr: jax.Array
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
     prompt: jax.Array  # (2, len(KINDS)) int32 template tokens

@@ -170,5 +170,9 @@ def run_baseline_streams(
     method: str, specs: list, pair: Pair | str, params=None, live=None
 ) -> list[dict[str, list[dict]]]:
     """`run_baseline_frames` with each table as a list of row dicts (every column; null as None)."""
-    return [{name: df.to_dicts() for name, df in frames.items()}
-            for frames in run_baseline_frames(method, specs, pair, params, live)]  # fmt: skip
+    return as_rows(run_baseline_frames(method, specs, pair, params, live))
+
+
+def as_rows(per_stream: list[dict[str, pl.DataFrame]]) -> list[dict[str, list[dict]]]:
+    """Per stream, each table's frame as a list of row dicts (every column; null as None)."""
+    return [{name: df.to_dicts() for name, df in frames.items()} for frames in per_stream]
