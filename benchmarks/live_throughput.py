@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import gc
 import itertools
 import json
 import math
@@ -83,7 +84,7 @@ COLUMNS = {  # the tables' columns, in print order
           "host_overhead", "cpu_ms_per_call"],
     "b": ["client", "requests", "server_received", "wall_s", "ideal_s", "host_overhead", "cpu_s",
           "cpu_ms_per_call", "cpu_share_of_wall", "client_max_in_flight", "server_max_in_flight",
-          "server_mean_in_flight"],
+          "server_mean_in_flight", "cyclic_garbage"],
     "b_floor": ["client", "requests", "cpu_s", "cpu_ms_per_call"],
     "c": ["streams", "agents", "slots", "tasks", "rounds", "requests", "http_calls", "requests_per_round",
           "wall_s", "first_round_compile_s", "wall_excl_compile_s", "in_run_batch_s",
@@ -457,20 +458,25 @@ def section_b(
     ideal = math.ceil(b / in_flight) * latency
     rows = []
 
-    async def live_client(cache_dir: Path | None, shards: int = 1) -> dict:
+    async def live_client(cache_dir: Path | None, shards: int = 1, pause_gc: bool = True) -> dict:
         """LiveClient as the live runner opens it; `shards` > 1 lists the stand-in's URL that many
-        times (one openai client, connection pool and semaphore of in_flight / shards per URL)."""
+        times (one openai client, connection pool and semaphore of in_flight / shards per URL);
+        `pause_gc=False` leaves Python's cyclic collector running during the batch."""
         runs = []
         cache = ResponseCache(cache_dir / "responses.sqlite") if cache_dir is not None else None
         group = ServerGroup("strong", (stand_in.url,) * shards, max_in_flight=in_flight // shards)
         try:
-            async with LiveClient([group], cache=cache, retry=BENCH_RETRY) as client:
+            async with LiveClient([group], cache=cache, retry=BENCH_RETRY, pause_gc=pause_gc) as client:
                 await client.run_batch(bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
                 for k in range(repeats):
                     batch = bench_requests(b, seed_base=30_000 + k * 100_003)
                     stand_in.reset(latency)
+                    gc.collect()
                     run = await timed_batch(client, batch)
                     run["server"] = stand_in.stats()
+                    del run["responses"]
+                    # what the batch left for the collector: its objects in reference cycles
+                    run["cyclic_garbage"] = gc.collect()
                     runs.append(run)
         finally:
             if cache is not None:
@@ -509,10 +515,12 @@ def section_b(
                 batch = bench_requests(b, seed_base=50_000 + k * 100_003)
                 stand_in.reset(latency)
                 peak["max"] = 0
+                gc.collect()
                 cpu0, t0 = time.process_time(), time.perf_counter()
                 await asyncio.gather(*(one(r) for r in batch))
                 runs.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
-                             "http_calls": b, "client_max_in_flight": peak["max"], "server": stand_in.stats()})  # fmt: skip
+                             "http_calls": b, "client_max_in_flight": peak["max"], "server": stand_in.stats(),
+                             "cyclic_garbage": gc.collect()})  # fmt: skip
             return median_run(runs)
         finally:
             await client.close()
@@ -567,6 +575,10 @@ def section_b(
     with tempfile.TemporaryDirectory(prefix="live-throughput-") as tmp:
         variants = [
             ("LiveClient, no cache", lambda: live_client(None)),
+            (
+                "LiveClient, cyclic collector not paused (pause_gc=False)",
+                lambda: live_client(None, pause_gc=False),
+            ),
             ("LiveClient + ResponseCache (sqlite)", lambda: live_client(Path(tmp))),
             (
                 f"LiveClient, the URL listed {POOL_SHARDS}x ({POOL_SHARDS} pools of {in_flight // POOL_SHARDS})",
@@ -584,6 +596,7 @@ def section_b(
                 "cpu_share_of_wall": run["cpu_s"] / run["wall_s"],
                 "client_max_in_flight": run["client_max_in_flight"],
                 "server_max_in_flight": server["max_in_flight"], "server_mean_in_flight": server["mean_in_flight"],
+                "cyclic_garbage": run["cyclic_garbage"],
             })  # fmt: skip
     floor = {
         "title": "b (floor): the openai SDK's own CPU per call, no socket and no server (median of the passes)",

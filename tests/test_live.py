@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import socket
 import threading
@@ -34,6 +35,7 @@ from meshheal_jax.backends.live import (
     ServerGroup,
     ServerUnavailableError,
     SyncLiveClient,
+    gc_paused,
     request_seed,
     trace_rows,
 )
@@ -309,6 +311,49 @@ def test_round_sent_concurrently_and_capped_by_semaphore():
             assert server.max_in_flight == 24 and elapsed < 2.0
 
     run(scenario())
+
+
+def test_cyclic_gc_paused_only_while_a_batch_is_in_flight():
+    seen = []
+
+    def script(body: dict, index: int) -> Reply:
+        seen.append(gc.isenabled())
+        return Reply()
+
+    async def scenario(pause: bool) -> bool:
+        async with (
+            ScriptedServer(script) as server,
+            LiveClient([strong(server)], retry=FAST_RETRY, pause_gc=pause) as client,
+        ):
+            await client.run_batch([gen_request(i) for i in range(6)])
+            return gc.isenabled()
+
+    assert gc.isenabled()
+    assert run(scenario(True))
+    assert seen == [False] * 6
+    seen.clear()
+    assert run(scenario(False))
+    assert seen == [True] * 6
+    gc.disable()  # a caller's own choice is kept
+    try:
+        assert not run(scenario(True))
+    finally:
+        gc.enable()
+
+
+def test_gc_pause_counts_overlapping_batches_and_survives_errors():
+    first, second = gc_paused(), gc_paused()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second batch is still in flight
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("a failed batch")
+    assert gc.isenabled()
+    with gc_paused(False):
+        assert gc.isenabled()
 
 
 def test_round_robin_over_two_urls():

@@ -84,8 +84,13 @@ def test_a_requests_counted_and_in_flight_bounded(quick_run):
 
 def test_b_every_client_variant_sent_everything(quick_run):
     rows = quick_run[0]["tables"]["b"]["rows"]
-    assert len(rows) == 4 and rows[0]["client"] == "LiveClient, no cache"
+    assert (
+        len(rows) == 5
+        and rows[0]["client"] == "LiveClient, no cache"
+        and "pause_gc=False" in rows[1]["client"]
+    )
     for r in rows:
+        assert isinstance(r["cyclic_garbage"], int) and r["cyclic_garbage"] >= 0
         assert r["requests"] == r["server_received"] == 2 * 64
         assert 1 <= r["client_max_in_flight"] <= 64 and 1 <= r["server_max_in_flight"] <= 64
         assert r["cpu_s"] > 0 and r["cpu_ms_per_call"] == pytest.approx(1e3 * r["cpu_s"] / r["requests"])
