@@ -63,8 +63,8 @@ def test_every_table_has_its_columns(quick_run):
         result["machine"]["cores"] >= 1 and result["latency_s"] == 0.2 and result["ratio_latency_s"] == 0.05
     )
     # the targets are reported, but a quick run is not the configuration they are stated for
-    assert [c["applies"] for c in result["targets"]] == [False, False, False]
-    assert stdout.count("not evaluated (another configuration)") == 3
+    assert [c["applies"] for c in result["targets"]] == [False] * 4
+    assert stdout.count("not evaluated (another configuration)") == 4
 
 
 def test_a_requests_counted_and_in_flight_bounded(quick_run):
@@ -94,8 +94,9 @@ def test_b_every_client_variant_sent_everything(quick_run):
         assert r["requests"] == r["server_received"] == 2 * 64
         assert 1 <= r["client_max_in_flight"] <= 64 and 1 <= r["server_max_in_flight"] <= 64
         assert r["cpu_s"] > 0 and r["cpu_ms_per_call"] == pytest.approx(1e3 * r["cpu_s"] / r["requests"])
-    target = quick_run[0]["targets"][0]
-    assert target["value"] == rows[0]["host_overhead"]
+    no_cache, cache = quick_run[0]["targets"][:2]
+    assert no_cache["value"] == rows[0]["host_overhead"] and "no cache" in no_cache["target"]
+    assert cache["value"] == rows[2]["host_overhead"] and "ResponseCache" in cache["target"]
 
 
 def test_c_batched_runner_and_its_sequential_equivalent(quick_run):
@@ -109,7 +110,7 @@ def test_c_batched_runner_and_its_sequential_equivalent(quick_run):
     # model calls count each initial review sample apart: more than the requests, at most 3 per request
     assert row["requests"] < row["model_calls"] <= 3 * row["requests"]
     assert row["ratio_calls"] == pytest.approx(row["model_calls"] * 0.05 / row["wall_s"])
-    assert [t["value"] for t in quick_run[0]["targets"][1:]] == [row["ratio"], row["ratio_calls"]]
+    assert [t["value"] for t in quick_run[0]["targets"][2:]] == [row["ratio"], row["ratio_calls"]]
     assert row["wall_excl_compile_s"] <= row["wall_s"] and row["in_run_batch_s"] < row["wall_s"]
     assert 1 <= row["server_max_in_flight"] <= 3 * row["slots"]  # at most 3 calls per slot per round
 
