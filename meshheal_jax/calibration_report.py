@@ -19,6 +19,7 @@ import polars as pl
 
 from meshheal_jax import metrics, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, new_table, print_table
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
 
 
@@ -193,6 +194,8 @@ def print_report(rows: list[dict], title: str) -> None:
 
 
 def body(cfg: ReportConfig) -> None:
+    if cfg.pair != "default":
+        raise MeshHealError("this command takes --pairs (several), not --pair")
     exp = runner.Experiment(
         name="main", datasets=("bbh", "math", "mmlu_pro"), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
         engine=cfg.engine, slots=cfg.slots, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,

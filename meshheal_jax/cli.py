@@ -35,7 +35,8 @@ class CommonFlags:
     """folder of ability profile TOML files (default: the packaged ones)"""
     params_dir: Path | None = None
     """folder of emulator model parameter files (default: the packaged ones)"""
-    protocol: ProtocolParams = ProtocolParams()  # noqa: RUF009 (frozen: a shared default is safe)
+    protocol: ProtocolParams = dataclasses.field(default_factory=ProtocolParams)
+    """protocol parameters (spec/protocol.md; the spec's DECISIONs among them)"""
     quiet: bool = False
     """no progress bar"""
     lanes: int | None = None

@@ -93,16 +93,16 @@ def print_summary(summary: dict) -> None:
 
 def body(cfg: ScaleConfig) -> None:
     out = cfg.out or Path("runs") / f"scale-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    results, engine, slots = [], None, None
+    results, engine, backend, slots = [], None, None, None
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
         start = time.perf_counter()
         run = runner.run(exp, out / topology, progress=not cfg.quiet, lanes=cfg.lanes)
         wall = time.perf_counter() - start
-        engine, slots = run.summary["engine"], run.summary["slots"]
+        engine, backend, slots = run.summary["engine"], run.summary["backend"], run.summary["slots"]
         for r in run.summary["results"]:
             results.append({**r, "run_dir": str(run.run_dir), "wall_s": wall})
-    summary = {"experiment": "scale", "engine": engine, "backend": "emulated", "slots": slots,
+    summary = {"experiment": "scale", "engine": engine, "backend": backend, "slots": slots,
                "n_agents": cfg.agents, "results": results}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)

@@ -326,3 +326,12 @@ def test_recovery_cli(tmp_path):
     tasks = pl.read_parquet(out / "tasks.parquet")
     assert tasks.height == 210
     assert tasks.group_by("phase").len().sort("phase")["len"].to_list() == [42] * 5
+
+
+@pytest.mark.parametrize("command", ["calibration_report", "detectors"])
+def test_commands_over_several_pairs_refuse_pair(command, tmp_path):
+    out = tmp_path / "out"
+    proc = cli(command, "--pair", "A", "--quiet", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: this command takes --pairs (several), not --pair"
+    assert not out.exists()
