@@ -196,6 +196,8 @@ def print_report(rows: list[dict], title: str) -> None:
 def body(cfg: ReportConfig) -> None:
     if cfg.pair != "default":
         raise MeshHealError("this command takes --pairs (several), not --pair")
+    if cfg.json_out is not None and (cfg.json_out.is_dir() or not cfg.json_out.parent.is_dir()):
+        raise MeshHealError(f"--json-out {cfg.json_out}: not a file path in an existing folder")
     exp = runner.Experiment(
         name="main", datasets=("bbh", "math", "mmlu_pro"), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
         engine=cfg.engine, slots=cfg.slots, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,

@@ -96,14 +96,24 @@ def live_settings(flags: CommonFlags):
     for key, value in (("strong_url", flags.strong_url), ("weak_url", flags.weak_url), ("data", flags.data),
                        ("max_tokens", flags.max_tokens), ("strong_model", flags.strong_model),
                        ("weak_model", flags.weak_model)):  # fmt: skip
-        if value:
+        if value or (key == "max_tokens" and value is not None):  # --max-tokens 0 reaches the >= 1 check
             doc[key] = value
     if not doc:
         return None
+    source = f"--live-config {flags.live_config}" if flags.live_config is not None else "live settings"
+    for key in ("max_in_flight", "max_tokens"):
+        value = doc.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise MeshHealError(f"{source}: {key} must be an integer, got {value!r}")
+    for key in ("strong_model", "weak_model", "strong_served_name", "weak_served_name", "data"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise MeshHealError(f"{source}: {key} must be a string, got {doc[key]!r}")
 
     def urls(key: str) -> tuple[str, ...]:
         value = doc.get(key, ())
-        values = (value,) if isinstance(value, str) else tuple(value)
+        values = (value,) if isinstance(value, str) else value
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
+            raise MeshHealError(f"{source}: {key} must be a URL or a list of URLs, got {value!r}")
         return tuple(url.strip() for v in values for url in v.split(",") if url.strip())  # a,b or a b
 
     return LiveSettings(

@@ -59,9 +59,21 @@ class ProtocolParams:
             raise MeshHealError("move_limit above 8 needs more per-visit draws (draws.N_VISITS)")
         if not 0 < self.alpha <= self.beta:
             raise MeshHealError(f"need 0 < alpha <= beta, got alpha={self.alpha}, beta={self.beta}")
-        for name in ("window_scores", "window_shortfalls", "min_observations", "probe_interval"):
+        for name in ("window_scores", "window_shortfalls", "min_observations", "probe_interval",
+                     "consecutive_to_isolate", "route_limit", "move_limit"):  # fmt: skip
             if getattr(self, name) < 1:
-                raise MeshHealError(f"protocol parameter {name} must be >= 1")
+                raise MeshHealError(f"protocol parameter {name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_per_six < 0:
+            raise MeshHealError(f"protocol parameter warmup_per_six must be >= 0, got {self.warmup_per_six}")
+        for name in ("tau_to", "sigma_com", "absolute_threshold", "cusum_target"):  # score thresholds
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise MeshHealError(f"protocol parameter {name} must be in [0, 1], got {getattr(self, name)}")
+        if not self.z_scale_floor > 0:
+            raise MeshHealError(f"protocol parameter z_scale_floor must be > 0, got {self.z_scale_floor}")
+        if not 0.0 <= self.threshold_tol < 0.01:
+            raise MeshHealError(
+                f"protocol parameter threshold_tol must be in [0, 0.01), got {self.threshold_tol}"
+            )
 
     def warmup_tasks(self, n_agents: int) -> int:
         return self.warmup_per_six * n_agents // 6

@@ -1,4 +1,4 @@
-"""Benchmark questions for the live backend and `--data-dir` runs (spec/live.md "Datasets").
+"""Benchmark questions for the live backend and `--data DIR` runs (spec/live.md "Datasets").
 
 Every loader maps a benchmark's own rows to `Record(question, task_type, gold, options)`, keeps
 only the task types of the dataset's profile, and fails with a one-line `MeshHealError` naming
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +147,8 @@ def _text_field(row: dict, field: str, where: str) -> str:
     value = row[field]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _row_error(where, f"field {field!r} must be a string, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):  # a missing cell read by pandas/parquet
+        raise _row_error(where, f"field {field!r} is {value} (a missing value), not text")
     text = str(value)
     if not text.strip():
         raise _row_error(where, f"field {field!r} is empty")
@@ -218,8 +221,9 @@ def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     question = _text_field(row, "problem", where)
     type_field = "type" if row.get("type") is not None or row.get("subject") is None else "subject"
     task_type = _text_field(row, type_field, where).strip()
-    if row.get("answer") is not None and str(row["answer"]).strip():
-        gold = str(row["answer"]).strip()
+    answer = row.get("answer")
+    if answer is not None and not (isinstance(answer, float) and math.isnan(answer)) and str(answer).strip():
+        gold = _text_field(row, "answer", where).strip()  # a string or a number, never a list or a table
     else:
         if row.get("solution") is None:
             raise _row_error(where, "missing field 'answer' (and no 'solution' to take its \\boxed{} from)")
@@ -242,11 +246,13 @@ def map_mmlu_pro_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     if "options" not in row or row["options"] is None:
         raise _row_error(where, "missing field 'options'")
     raw = row["options"]
-    if isinstance(raw, str) or not isinstance(raw, Iterable):
+    if isinstance(raw, (str, Mapping)) or not isinstance(raw, Iterable):
         raise _row_error(where, f"field 'options' must be a list of strings, got {type(raw).__name__}")
     raw = list(raw)
     if not raw or not all(isinstance(o, str) for o in raw):
         raise _row_error(where, "field 'options' must be a non-empty list of strings")
+    if not all(o.strip() for o in raw):
+        raise _row_error(where, "field 'options' has an empty option")
     if len(raw) > len(MMLU_PRO_LETTERS):
         raise _row_error(
             where, f"field 'options' has {len(raw)} entries, at most {len(MMLU_PRO_LETTERS)} allowed"
@@ -389,7 +395,7 @@ def _import_datasets():
     except ImportError:
         raise MeshHealError(
             "loading from the Hugging Face hub needs the optional 'datasets' package:"
-            " pip install -e .[live]  (or pass local files with --data-dir)"
+            " pip install -e .[live]  (or pass local files with --data DIR)"
         ) from None
     return datasets
 

@@ -40,6 +40,9 @@ DIFFICULTY = ("difficulty_spread", "review_difficulty")
 # probability, 0 (judged on the own part alone, the spec's base rule) when a file leaves it out.
 DRAFT_BLAME = "draft_blame"
 OPTIONAL = DIFFICULTY + (DRAFT_BLAME,)  # every optional model-file number, neutral at 0
+MODEL_KEYS = ("model",) + SCALARS + OPTIONAL + (
+    "n_distractors", "p_part", "review", "round2", "completion_tokens", "prompt_tokens",
+)  # fmt: skip
 # The judged-output classes of the threshold tables: the judged part wrong, right, or right on a
 # wrong accepted draft (a Finalize only).
 JUDGED_WRONG, JUDGED_RIGHT, JUDGED_RIGHT_ON_WRONG_DRAFT = range(3)
@@ -116,6 +119,12 @@ class ModelParams:
         if profile.dataset not in self.p_part:
             raise MeshHealError(f"model file {self.name}: no [p_part] entry for dataset {profile.dataset!r}")
         table = self.p_part[profile.dataset]
+        unknown = sorted(set(table) - set(profile.task_types) - {"default"})
+        if unknown:
+            raise MeshHealError(
+                f"model file {self.name}: p_part.{profile.dataset} has unknown task type(s) {', '.join(unknown)}; "
+                f"known: default, {', '.join(profile.task_types)}"
+            )
         out = []
         for task_type in profile.task_types:
             if task_type not in table and "default" not in table:
@@ -162,16 +171,49 @@ class ModelParams:
         return tuple((1.0 - w) * a + w * b for a, b in zip(right[:-1], wrong[:-1])) + (1.0,)
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _probability(value, where: str) -> float:
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+    if not _number(value) or not 0.0 <= float(value) <= 1.0:
         raise MeshHealError(f"{where} must be a probability in [0, 1], got {value!r}")
     return float(value)
 
 
 def _non_negative(value, where: str) -> float:
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) < math.inf:
+    if not _number(value) or not 0.0 <= float(value) < math.inf:
         raise MeshHealError(f"{where} must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def _count(value, where: str, minimum: int = 0) -> int:
+    """A whole number >= minimum (an integer in the file, not a float or a boolean)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MeshHealError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _table(doc: dict, key: str, source: str) -> dict:
+    if key not in doc:
+        raise MeshHealError(f"{source}: missing key {key!r}")
+    if not isinstance(doc[key], dict):
+        raise MeshHealError(f"{source}: {key} must be a table, got {doc[key]!r}")
+    return doc[key]
+
+
+def _per_kind(doc: dict, key: str, source: str) -> dict:
+    """completion_tokens / prompt_tokens: exactly one entry per call kind."""
+    table = _table(doc, key, source)
+    missing = [k for k in CALL_KINDS if k not in table]
+    if missing:
+        raise MeshHealError(f"{source}: {key} is missing {', '.join(missing)}")
+    unknown = sorted(set(table) - set(CALL_KINDS))
+    if unknown:
+        raise MeshHealError(
+            f"{source}: {key} has unknown call kind(s) {', '.join(unknown)}; known: {', '.join(CALL_KINDS)}"
+        )
+    return table
 
 
 def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool], tuple[float, ...]]:
@@ -183,7 +225,7 @@ def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool],
                 row = doc[section][role][label]
             except (KeyError, TypeError):
                 raise MeshHealError(f"{where} is missing") from None
-            if len(row) != len(ANCHORS):
+            if not isinstance(row, list) or len(row) != len(ANCHORS):
                 raise MeshHealError(f"{where} needs {len(ANCHORS)} probabilities (anchors {ANCHORS})")
             probs = tuple(_probability(p, where) for p in row)
             if abs(sum(probs) - 1.0) > 1e-6:
@@ -193,26 +235,36 @@ def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool],
 
 
 def parse_model(doc: dict, name: str, source: str) -> ModelParams:
-    try:
-        scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
-        scalars |= {k: _non_negative(doc.get(k, 0.0), f"{source}: {k}") for k in DIFFICULTY}
-        scalars[DRAFT_BLAME] = _probability(doc.get(DRAFT_BLAME, 0.0), f"{source}: {DRAFT_BLAME}")
-        n_distractors = int(doc["n_distractors"])
-        completion = {k: tuple(int(x) for x in doc["completion_tokens"][k]) for k in CALL_KINDS}
-        prompt = {k: int(doc["prompt_tokens"][k]) for k in CALL_KINDS}
-        p_part = {
-            str(ds): {str(k): float(v) for k, v in table.items()} for ds, table in doc["p_part"].items()
-        }
-    except KeyError as missing:
-        raise MeshHealError(f"{source}: missing key {missing}") from None
-    if n_distractors < 1:
-        raise MeshHealError(f"{source}: n_distractors must be >= 1")
-    for kind, bounds in completion.items():
-        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
-            raise MeshHealError(f"{source}: completion_tokens.{kind} must be [min, max], 0 <= min <= max")
-    for ds, table in p_part.items():
-        for key, value in table.items():
-            _probability(value, f"{source}: p_part.{ds}.{key}")
+    unknown = sorted(set(doc) - set(MODEL_KEYS))
+    if unknown:  # a misspelt optional key would otherwise fall back to its default unnoticed
+        raise MeshHealError(f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(MODEL_KEYS)}")
+    missing = [k for k in SCALARS + ("n_distractors",) if k not in doc]
+    if missing:
+        raise MeshHealError(f"{source}: missing key(s) {', '.join(missing)}")
+    scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
+    scalars |= {k: _non_negative(doc.get(k, 0.0), f"{source}: {k}") for k in DIFFICULTY}
+    scalars[DRAFT_BLAME] = _probability(doc.get(DRAFT_BLAME, 0.0), f"{source}: {DRAFT_BLAME}")
+    n_distractors = _count(doc["n_distractors"], f"{source}: n_distractors", 1)
+    completion = {}
+    for kind, bounds in _per_kind(doc, "completion_tokens", source).items():
+        where = f"{source}: completion_tokens.{kind}"
+        if not isinstance(bounds, list) or len(bounds) != 2:
+            raise MeshHealError(f"{where} must be [min, max], got {bounds!r}")
+        low, high = (_count(x, where) for x in bounds)
+        if low > high:
+            raise MeshHealError(f"{where} must be [min, max] with min <= max, got {bounds!r}")
+        completion[kind] = (low, high)
+    prompt = {
+        k: _count(v, f"{source}: prompt_tokens.{k}")
+        for k, v in _per_kind(doc, "prompt_tokens", source).items()
+    }
+    p_part = {}
+    for ds, table in _table(doc, "p_part", source).items():
+        if not isinstance(table, dict):
+            raise MeshHealError(
+                f"{source}: p_part.{ds} must be a table such as {{ default = 0.9 }}, got {table!r}"
+            )
+        p_part[str(ds)] = {str(k): _probability(v, f"{source}: p_part.{ds}.{k}") for k, v in table.items()}
     return ModelParams(
         name=name,
         model=str(doc.get("model", name)),
@@ -226,10 +278,14 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
     )
 
 
-def load_model(name_or_path: str | Path, model_dir: Path | None = None) -> ModelParams:
+def model_path(name_or_path: str | Path, model_dir: Path | None = None) -> Path:
+    """The file a model name (or a .toml path) is read from."""
     path = Path(name_or_path)
-    if path.suffix != ".toml":
-        path = (model_dir or MODEL_DIR) / f"{name_or_path}.toml"
+    return path if path.suffix == ".toml" else (model_dir or MODEL_DIR) / f"{name_or_path}.toml"
+
+
+def load_model(name_or_path: str | Path, model_dir: Path | None = None) -> ModelParams:
+    path = model_path(name_or_path, model_dir)
     try:
         doc = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -262,8 +318,13 @@ def threshold_table(pair: Pair, section: str) -> np.ndarray:
 def load_pair(name: str, model_dir: Path | None = None) -> Pair:
     if name not in PAIRS:
         raise MeshHealError(f"unknown pair {name!r}; known: {sorted(PAIRS)}")
-    strong, weak = PAIRS[name]
-    return Pair(name, load_model(strong, model_dir), load_model(weak, model_dir))
+    strong, weak = (load_model(m, model_dir) for m in PAIRS[name])
+    if strong.n_distractors != weak.n_distractors:  # a wrong answer is one of the same distractors
+        raise MeshHealError(
+            f"pair {name}: both model files must have the same n_distractors "
+            f"({strong.name}: {strong.n_distractors}, {weak.name}: {weak.n_distractors})"
+        )
+    return Pair(name, strong, weak)
 
 
 def dump_model(m: ModelParams, header: str = "") -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import importlib.metadata
 import json
 import shutil
@@ -30,7 +31,7 @@ from rich.progress import Progress
 from meshheal_jax import graphs, metrics, reference
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import load_pair
+from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
     RECOVERY_PHASES,
     HealthSchedule,
@@ -38,7 +39,7 @@ from meshheal_jax.streams import (
     persistent_schedule,
     recovery_schedule,
 )
-from meshheal_jax.topology import Network, build_network, load_profile, replicate_holds
+from meshheal_jax.topology import Network, build_network, load_profile, profile_path, replicate_holds
 
 TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
@@ -150,8 +151,8 @@ class Experiment:
             )
         if not self.seeds:
             raise MeshHealError("no seeds given")
-        if any(s < 0 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
-            raise MeshHealError(f"seeds must be distinct and >= 0, got {list(self.seeds)}")
+        if any(not 0 <= s < 2**31 for s in self.seeds) or len(set(self.seeds)) != len(self.seeds):
+            raise MeshHealError(f"seeds must be distinct and in 0..2**31-1, got {list(self.seeds)}")
         if self.engine not in ("jax", "reference"):
             raise MeshHealError(f"unknown engine {self.engine!r}; known: jax, reference")
         if self.engine == "reference" and self.slots != 1:
@@ -192,6 +193,8 @@ class Experiment:
             load_profile(dataset, self.profiles_dir)
         for pair in self.pairs:
             load_pair(pair, self.params_dir)
+        if self.n_tasks < 1:
+            raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
         self.schedule()
         for dataset in self.datasets:
             self.network(dataset)
@@ -317,17 +320,59 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                     f"output folder {out} holds a run of an older layout (one method, parts without the method); "
                     "choose another --out"
                 )  # fmt: skip
-            if comparable(previous.get("experiment")) != comparable(json.loads(json.dumps(exp.to_json()))):
+            before, now = (
+                comparable(previous.get("experiment")),
+                comparable(json.loads(json.dumps(exp.to_json()))),
+            )
+            if before != now:
+                changed = ", ".join(differences(before or {}, now or {})[:6])
                 raise MeshHealError(
-                    f"output folder {out} holds a run of a different configuration; choose another --out"
+                    f"output folder {out} holds a run of a different configuration ({changed} differ); "
+                    "choose another --out"
+                )
+            changed = [
+                f"{role} ({entry['path']})"
+                for role, entry in input_digests(exp).items()
+                if role in previous.get("inputs", {})
+                and previous["inputs"][role]["sha256"] != entry["sha256"]
+            ]
+            if changed:  # finished streams were made from the old contents: mixing them is wrong
+                raise MeshHealError(
+                    f"output folder {out} was run with other contents of {', '.join(changed)}; "
+                    "choose another --out, or restore the file(s) to resume"
                 )
             return out
         if any(out.iterdir()):
             raise MeshHealError(f"output folder {out} exists and is not a run folder")
     out.mkdir(parents=True, exist_ok=True)
-    config = {RUN_MARKER: True, "experiment": exp.to_json(), "versions": _versions(),
+    config = {RUN_MARKER: True, "experiment": exp.to_json(), "inputs": input_digests(exp), "versions": _versions(),
               "git_revision": _git_revision(), "created": datetime.datetime.now().isoformat()}  # fmt: skip
     write_atomic(config_path, json.dumps(config, indent=2))
+    return out
+
+
+def input_digests(exp: Experiment) -> dict[str, dict]:
+    """Every input file the run reads (profiles, emulator model files, an edge list), by role: its
+    path and the sha256 of its contents. A resumed run must read what the finished streams were
+    made from; the folder paths alone are in the configuration, not what the files hold."""
+    files = {f"profile {d}": profile_path(d, exp.profiles_dir) for d in exp.datasets}
+    for pair in exp.pairs:
+        files |= {f"model file {m}": model_path(m, exp.params_dir) for m in PAIRS[pair]}
+    if exp.edges_file is not None:
+        files["edge list"] = Path(exp.edges_file)
+    return {role: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            for role, path in files.items()}  # fmt: skip
+
+
+def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two configurations."""
+    out = []
+    for key in sorted(set(before) | set(now)):
+        a, b = before.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
     return out
 
 

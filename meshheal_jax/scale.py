@@ -93,6 +93,8 @@ def print_summary(summary: dict) -> None:
 
 def body(cfg: ScaleConfig) -> None:
     out = cfg.out or Path("runs") / f"scale-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and not out.is_dir():
+        raise MeshHealError(f"output path {out} exists and is not a folder")
     results, engine, backend, slots = [], None, None, None
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)

@@ -55,24 +55,59 @@ class Profile:
         return self.pairs.index(frozenset(self.requires[task_type]))
 
 
-def _agent_index(name: str, where: str) -> int:
+PROFILE_KEYS = ("dataset", "dataset_id", "question_tokens", "degraded_targets", "ability", "task_type")
+ROW_KEYS = {"ability": ("name", "holders", "description"), "task_type": ("name", "requires")}
+
+
+def _agent_index(name: str, where: str, source: str = "profile") -> int:
     if not (isinstance(name, str) and name.startswith("A") and name[1:].isdigit()):
-        raise MeshHealError(f"profile: {where}: agent name {name!r} is not of the form A1..A6")
+        raise MeshHealError(f"{source}: {where}: agent name {name!r} is not of the form A1..A6")
     index = int(name[1:]) - 1
     if not 0 <= index < BASE_AGENTS:
-        raise MeshHealError(f"profile: {where}: agent {name!r} does not exist (A1..A6)")
+        raise MeshHealError(f"{source}: {where}: agent {name!r} does not exist (A1..A6)")
     return index
+
+
+def _unknown_keys(table: dict, known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:  # a misspelt key would otherwise be read as absent
+        raise MeshHealError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
+def _rows(doc: dict, key: str, source: str) -> list[dict]:
+    """The [[ability]] / [[task_type]] entries: an array of tables with known keys."""
+    rows = doc[key]
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise MeshHealError(f"{source}: {key} must be an array of tables ([[{key}]] entries), got {rows!r}")
+    for row in rows:
+        _unknown_keys(row, ROW_KEYS[key], f"{source}: {key} {row.get('name')!r}")
+    return rows
+
+
+def _names(row: dict, key: str, where: str) -> list[str]:
+    """A list of names (holders, requires): a TOML array of strings, never a lone string."""
+    value = row.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise MeshHealError(f"{where}: {key} must be an array of names, got {value!r}")
+    return value
+
+
+def _whole(value, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MeshHealError(f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
     """Build and validate a Profile from a parsed TOML document."""
+    _unknown_keys(doc, PROFILE_KEYS, source)
     try:
         dataset = str(doc["dataset"])
-        dataset_id = int(doc["dataset_id"])
-        question_tokens = int(doc.get("question_tokens", 200))
-        ability_rows = list(doc["ability"])
-        type_rows = list(doc["task_type"])
-        target_names = list(doc.get("degraded_targets", ["A3", "A5"]))
+        dataset_id = _whole(doc["dataset_id"], f"{source}: dataset_id", 0)
+        question_tokens = _whole(doc.get("question_tokens", 200), f"{source}: question_tokens", 1)
+        ability_rows = _rows(doc, "ability", source)
+        type_rows = _rows(doc, "task_type", source)
+        target_names = _names(doc, "degraded_targets", source) if "degraded_targets" in doc else ["A3", "A5"]
     except KeyError as missing:
         raise MeshHealError(f"{source}: missing key {missing}") from None
     names = [str(row.get("name", "")) for row in ability_rows]
@@ -80,11 +115,12 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
         raise MeshHealError(f"{source}: ability names must be unique and non-empty: {names}")
     holds = np.zeros((BASE_AGENTS, len(names)), dtype=bool)
     for s, row in enumerate(ability_rows):
-        for holder in row.get("holders", []):
-            holds[_agent_index(holder, f"ability {names[s]!r}"), s] = True
+        where = f"ability {names[s]!r}"
+        for holder in _names(row, "holders", f"{source}: {where}"):
+            holds[_agent_index(holder, where, source), s] = True
     requires = []
     for row in type_rows:
-        req = list(row.get("requires", []))
+        req = _names(row, "requires", f"{source}: task type {row.get('name')!r}")
         for ability in req:
             if ability not in names:
                 raise MeshHealError(
@@ -100,7 +136,7 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
         task_types=tuple(str(row.get("name", "")) for row in type_rows),
         requires=tuple(requires),  # type: ignore[arg-type]
         holds=holds,
-        degraded_targets=tuple(_agent_index(n, "degraded_targets") for n in target_names),
+        degraded_targets=tuple(_agent_index(n, "degraded_targets", source) for n in target_names),
     )
     validate_profile(profile, source)
     return profile
@@ -139,19 +175,36 @@ def validate_profile(p: Profile, source: str = "<profile>") -> None:
             fail("every holder set contains exactly one degraded target", f"ability {name!r}")
 
 
+def profile_path(dataset_or_path: str | Path, profile_dir: Path | None = None) -> Path:
+    """The file a dataset's profile (or a .toml path) is read from."""
+    path = Path(dataset_or_path)
+    return path if path.suffix == ".toml" else (profile_dir or PROFILE_DIR) / f"{dataset_or_path}.toml"
+
+
 def load_profile(dataset_or_path: str | Path, profile_dir: Path | None = None) -> Profile:
     """Load a dataset's profile by name (bbh, math, mmlu_pro) or from a TOML path."""
-    path = Path(dataset_or_path)
-    if path.suffix != ".toml":
-        path = (profile_dir or PROFILE_DIR) / f"{dataset_or_path}.toml"
+    path = profile_path(dataset_or_path, profile_dir)
+    by_name = Path(dataset_or_path).suffix != ".toml"
+    if by_name:
+        folder = path.parent
+        if not folder.is_dir():
+            raise MeshHealError(f"profiles folder {folder} does not exist or is not a folder")
         if not path.exists():
-            known = sorted(f.stem for f in (profile_dir or PROFILE_DIR).glob("*.toml"))
-            raise MeshHealError(f"unknown dataset {str(dataset_or_path)!r}; known: {known}")
+            known = sorted(f.stem for f in folder.glob("*.toml"))
+            raise MeshHealError(
+                f"unknown dataset {str(dataset_or_path)!r} (no {path.name} in {folder}); known: {known}"
+            )
     try:
         doc = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as err:
         raise MeshHealError(f"cannot read profile {path}: {err}") from None
-    return parse_profile(doc, str(path))
+    profile = parse_profile(doc, str(path))
+    if by_name and profile.dataset != str(dataset_or_path):
+        raise MeshHealError(
+            f"{path}: declares dataset = {profile.dataset!r}, but is the profile of {str(dataset_or_path)!r} "
+            "(a profile's dataset is its file name)"
+        )
+    return profile
 
 
 @dataclasses.dataclass(frozen=True)

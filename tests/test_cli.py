@@ -12,7 +12,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from meshheal_jax import metrics, topology
+from meshheal_jax import metrics, params, topology
+from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.runner import Experiment, prepare_run_dir
 from meshheal_jax.streams import RECOVERY_PHASES
@@ -184,8 +185,32 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
         Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42), out
     )
     other = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=84)
-    with pytest.raises(MeshHealError, match="different configuration"):
+    with pytest.raises(MeshHealError, match=r"different configuration \(n_tasks differ\)"):
         prepare_run_dir(other, out)
+    other = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42,
+                       protocol=ProtocolParams(alpha=1.5))  # fmt: skip
+    with pytest.raises(MeshHealError, match=r"\(protocol.alpha differ\)"):
+        prepare_run_dir(other, out)
+
+
+@pytest.mark.parametrize("edited", ["model file llama-3.2-1b", "profile math"])
+def test_resume_refuses_input_files_whose_contents_changed(tmp_path, edited):
+    """The configuration names the folders; a resumed run must also read the same file contents,
+    or its finished streams (old contents) and the rest (new ones) would be mixed in one summary."""
+    params_dir, profiles_dir = tmp_path / "params", tmp_path / "profiles"
+    shutil.copytree(params.MODEL_DIR, params_dir)
+    shutil.copytree(topology.PROFILE_DIR, profiles_dir)
+    exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0, 1), n_tasks=42,
+                     params_dir=params_dir, profiles_dir=profiles_dir)  # fmt: skip
+    out = prepare_run_dir(exp, tmp_path / "run")
+    assert prepare_run_dir(exp, out) == out  # unchanged files: resumes
+    path = params_dir / "llama-3.2-1b.toml" if edited.startswith("model") else profiles_dir / "math.toml"
+    original = path.read_text()
+    path.write_text(original + "\n# an edit that changes no value still changes the file\n")
+    with pytest.raises(MeshHealError, match=f"other contents of {edited} \\({path}\\)"):
+        prepare_run_dir(exp, out)
+    path.write_text(original)  # restored: resumes again
+    assert prepare_run_dir(exp, out) == out
 
 
 def test_resume_after_losing_a_stream_and_the_summary(tmp_path):
@@ -256,6 +281,11 @@ BAD_INPUTS = {
     "zero seeds": (("--datasets", "math", "--seeds", "0"), "--seeds must be >= 1"),
     "degraded agent 9": (("--datasets", "math", "--degraded", "9"), "agent 9"),
     "broken profile": (("--datasets", "bbh", "--profiles-dir", "<profiles>"), "'temporal'"),
+    "seed past int32": (
+        ("--datasets", "math", "--seed-list", "2147483648"),
+        "seeds must be distinct and in 0..2**31-1",
+    ),
+    "no tasks": (("--datasets", "math", "--tasks", "0"), "tasks per stream must be >= 1"),
 }
 
 
@@ -265,12 +295,27 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     if "<profiles>" in args:
         args = tuple(str(broken_profiles_dir(tmp_path)) if a == "<profiles>" else a for a in args)
     out = tmp_path / "out"
-    proc = cli("main", "--tasks", "84", "--quiet", "--out", str(out), *args, cwd=tmp_path)
+    proc = cli("main", *(("--tasks", "84") if "--tasks" not in args else ()), "--quiet", "--out", str(out), *args,
+               cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and fragment in lines[0]
     assert not out.exists()  # nothing is half-written
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(("--protocol.move-limit", "0"), "move_limit must be >= 1, got 0"),
+     (("--protocol.tau-to", "5"), "tau_to must be in [0, 1], got 5")],
+)  # fmt: skip
+def test_protocol_values_out_of_range_are_refused(args, message, tmp_path):
+    """tyro reports a refused nested value in its own panel (exit status 2), naming it."""
+    out = tmp_path / "out"
+    proc = cli(
+        "main", "--datasets", "math", "--tasks", "84", "--quiet", "--out", str(out), *args, cwd=tmp_path
+    )
+    assert proc.returncode == 2 and message in proc.stderr and not out.exists()
 
 
 def test_broken_profile_message_names_the_rule(tmp_path):
@@ -335,3 +380,17 @@ def test_commands_over_several_pairs_refuse_pair(command, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: this command takes --pairs (several), not --pair"
     assert not out.exists()
+
+
+def test_output_paths_that_cannot_be_written_are_refused_first(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("precious")
+    proc = cli("scale", "--agents", "12", "--sparse", "--quiet", "--out", str(a_file), cwd=tmp_path)
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"error: output path {a_file} exists and is not a folder"
+    )
+    assert a_file.read_text() == "precious"
+    proc = cli("calibration_report", "--json-out", str(tmp_path), "--quiet", "--out", str(tmp_path / "run"),
+               cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "--json-out" in proc.stderr and not (tmp_path / "run").exists()

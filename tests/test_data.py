@@ -278,6 +278,46 @@ def test_mmlu_pro_bad_rows(tmp_path):
         data.load_local("mmlu_pro", write_jsonl(tmp_path / "x.jsonl", rows))
 
 
+@pytest.mark.parametrize("answer, kind", [({"value": 2}, "dict"), ([1, 2], "list"), (True, "bool")])
+def test_math_answer_that_is_not_text_or_a_number(tmp_path, answer, kind):
+    rows = math_rows()
+    rows[1]["answer"] = answer
+    with pytest.raises(MeshHealError, match=rf"row 2: field 'answer' must be a string, got {kind}"):
+        data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+
+
+def test_math_missing_answer_cell_falls_back_to_the_solution(tmp_path):
+    rows = math_rows()
+    rows[0]["answer"] = float("nan")  # a parquet/pandas missing cell: the \boxed{} answer is used
+    path = tmp_path / "math.parquet"
+    pl.DataFrame(rows).write_parquet(path)
+    record = data.load_local("math", path)[0]
+    assert record.gold == data.last_boxed(rows[0]["solution"])
+
+
+def test_mmlu_pro_options_as_a_table_or_with_an_empty_one(tmp_path):
+    rows = mmlu_rows()
+    rows[1]["options"] = {"A": "x", "B": "y", "C": "z"}
+    with pytest.raises(MeshHealError, match=r"row 2: field 'options' must be a list of strings, got dict"):
+        data.load_local("mmlu_pro", write_jsonl(tmp_path / "x.jsonl", rows))
+    rows = mmlu_rows()
+    rows[1]["options"] = ["x", " ", "z"]
+    with pytest.raises(MeshHealError, match=r"row 2: field 'options' has an empty option"):
+        data.load_local("mmlu_pro", write_jsonl(tmp_path / "x.jsonl", rows))
+
+
+def test_bbh_target_nan_is_named(tmp_path):
+    for task in PROFILE_TYPES["bbh"]:
+        (tmp_path / f"{task}.json").write_text(
+            json.dumps({"examples": [{"input": "q", "target": "Yes"}] * 3})
+        )
+    (tmp_path / "navigate.json").write_text('{"examples": [{"input": "q", "target": NaN}]}')
+    with pytest.raises(
+        MeshHealError, match=r"navigate\.json, row 1: field 'target' is nan \(a missing value\)"
+    ):
+        data.load_local("bbh", tmp_path)
+
+
 def test_bbh_bad_example_names_task_file_and_row(tmp_path):
     for task in PROFILE_TYPES["bbh"]:
         (tmp_path / f"{task}.json").write_text(

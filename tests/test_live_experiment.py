@@ -88,6 +88,17 @@ def test_live_settings_from_a_config_file(tmp_path):
     path.write_text('strong_urls = ["x"]\n')
     with pytest.raises(MeshHealError, match="unknown keys"):
         live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path)]))
+    for text, message in (
+        (
+            'strong_url = "http://a/v1"\nmax_in_flight = "many"\n',
+            "max_in_flight must be an integer, got 'many'",
+        ),
+        ("strong_url = 5\n", "strong_url must be a URL or a list of URLs, got 5"),
+        ('strong_url = "http://a/v1"\nstrong_model = 3\n', "strong_model must be a string, got 3"),
+    ):
+        path.write_text(text)
+        with pytest.raises(MeshHealError, match=f"--live-config {path}: {message}"):
+            live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path)]))
 
 
 LIVE_AB = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "http://b/v1"]
@@ -103,6 +114,7 @@ LIVE_AB = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "ht
             [*LIVE_AB, "--methods", "meshheal", "--data", "/no/such/folder"],
             "does not exist",
         ),
+        ([*LIVE_AB, "--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
     ],
 )
 def test_bad_live_settings_are_named(argv, message):

@@ -303,6 +303,59 @@ def test_missing_key(bbh_doc):
     reject(bbh_doc, "missing key", "dataset_id")
 
 
+MALFORMED = {
+    "negative dataset_id": (lambda d: d.update(dataset_id=-5), ("dataset_id", "integer >= 0", "-5")),
+    "string dataset_id": (lambda d: d.update(dataset_id="zero"), ("dataset_id", "'zero'")),
+    "negative question_tokens": (lambda d: d.update(question_tokens=-260), ("question_tokens", "-260")),
+    "fractional question_tokens": (lambda d: d.update(question_tokens=260.5), ("question_tokens", "260.5")),
+    "misspelt top-level key": (
+        lambda d: d.update(degraded_target=["A3", "A5"]),
+        ("unknown key", "degraded_target"),
+    ),
+    "misspelt ability key": (
+        lambda d: d["ability"][0].update(holderz=3),
+        ("unknown key", "holderz", "mathematical"),
+    ),
+    "[ability] instead of [[ability]]": (
+        lambda d: d.update(ability={"name": "x"}),
+        ("array of tables", "[[ability]]"),
+    ),
+    "ability as a string": (lambda d: d.update(ability="abc"), ("array of tables",)),
+    "holders as one string": (
+        lambda d: d["ability"][0].update(holders="A1"),
+        ("holders must be an array", "'A1'"),
+    ),
+    "requires as one string": (
+        lambda d: d["task_type"][0].update(requires="spatial"),
+        ("requires must be an array",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_values_are_named(bbh_doc, case):
+    mutate, fragments = MALFORMED[case]
+    mutate(bbh_doc)
+    reject(bbh_doc, "mutant.toml", *fragments)
+
+
+def test_agent_name_errors_name_the_file(bbh_doc):
+    ability_row(bbh_doc, "mathematical")["holders"] = ["A1", "B2", "A3"]
+    reject(bbh_doc, "mutant.toml: ability 'mathematical'", "'B2'")
+
+
+def test_profile_loaded_by_name_must_declare_that_dataset(tmp_path):
+    text = (topology.PROFILE_DIR / "bbh.toml").read_text().replace('dataset = "bbh"', 'dataset = "math"', 1)
+    (tmp_path / "bbh.toml").write_text(text)
+    with pytest.raises(MeshHealError, match="declares dataset = 'math', but is the profile of 'bbh'"):
+        topology.load_profile("bbh", tmp_path)
+
+
+def test_missing_profiles_folder_is_named(tmp_path):
+    with pytest.raises(MeshHealError, match="profiles folder .*nowhere does not exist"):
+        topology.load_profile("bbh", tmp_path / "nowhere")
+
+
 def test_other_degraded_targets_are_accepted(bbh_doc):
     # A1 and A6 are complementary in BBH, so they are valid targets too
     bbh_doc["degraded_targets"] = ["A1", "A6"]

@@ -1,0 +1,79 @@
+"""Emulator model parameter files (params.parse_model / load_model / load_pair): every malformed
+value is refused with one line naming the file and the key, before any run starts."""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+
+import pytest
+
+from meshheal_jax import params, topology
+from meshheal_jax.errors import MeshHealError
+
+SOURCE = "mutant.toml"
+
+
+@pytest.fixture(scope="module")
+def strong_doc() -> dict:
+    return tomllib.loads((params.MODEL_DIR / "gpt-oss-120b.toml").read_text())
+
+
+def reject(doc: dict, *fragments: str) -> None:
+    with pytest.raises(MeshHealError) as info:
+        params.parse_model(doc, "mutant", SOURCE)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(SOURCE), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_packaged_files_parse(strong_doc):
+    assert (
+        params.parse_model(copy.deepcopy(strong_doc), "gpt-oss-120b", SOURCE).p_infer == strong_doc["p_infer"]
+    )
+
+
+MALFORMED = {
+    "misspelt optional key": (lambda d: d.update(difficulty_sprad=0.5), ("unknown key", "difficulty_sprad")),
+    "boolean probability": (lambda d: d.update(p_infer=True), ("p_infer", "probability", "True")),
+    "word for a count": (lambda d: d.update(n_distractors="four"), ("n_distractors", "integer", "'four'")),
+    "fractional count": (lambda d: d.update(n_distractors=2.7), ("n_distractors", "integer", "2.7")),
+    "missing scalar": (lambda d: d.pop("p_fix"), ("missing key", "p_fix")),
+    "p_part as a number": (lambda d: d["p_part"].update(bbh=0.3), ("p_part.bbh must be a table", "0.3")),
+    "word probability in p_part": (lambda d: d["p_part"]["bbh"].update(default="high"), ("p_part.bbh.default", "'high'")),
+    "completion tokens as a number": (lambda d: d["completion_tokens"].update(infer=88), ("completion_tokens.infer", "88")),
+    "completion tokens with a word": (lambda d: d["completion_tokens"].update(infer=["a", 88]), ("completion_tokens.infer", "'a'")),
+    "completion tokens reversed": (lambda d: d["completion_tokens"].update(infer=[442, 88]), ("completion_tokens.infer", "min <= max")),
+    "completion tokens missing a kind": (lambda d: d["completion_tokens"].pop("infer"), ("completion_tokens is missing infer",)),
+    "completion tokens of an unknown kind": (lambda d: d["completion_tokens"].update(inferr=[1, 2]), ("unknown call kind", "inferr")),
+    "negative prompt tokens": (lambda d: d["prompt_tokens"].update(infer=-720), ("prompt_tokens.infer", "-720")),
+    "fractional prompt tokens": (lambda d: d["prompt_tokens"].update(infer=720.9), ("prompt_tokens.infer", "720.9")),
+    "review row as a number": (lambda d: d["review"]["strong_author"].update(correct=1.0), ("review.strong_author.correct",)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_values_are_named(strong_doc, case):
+    doc = copy.deepcopy(strong_doc)
+    mutate, fragments = MALFORMED[case]
+    mutate(doc)
+    reject(doc, *fragments)
+
+
+def test_unknown_task_type_in_p_part_is_named(strong_doc):
+    doc = copy.deepcopy(strong_doc)
+    doc["p_part"]["bbh"]["navigat"] = 0.9
+    model = params.parse_model(doc, "mutant", SOURCE)
+    with pytest.raises(MeshHealError, match="p_part.bbh has unknown task type.*navigat"):
+        model.p_part_base(topology.load_profile("bbh"))
+
+
+def test_pair_with_different_distractor_counts_names_both_files(tmp_path):
+    for name in params.PAIRS["default"]:
+        text = (params.MODEL_DIR / f"{name}.toml").read_text()
+        if name == "llama-3.2-1b":
+            text = text.replace("n_distractors = 4", "n_distractors = 3", 1)
+        (tmp_path / f"{name}.toml").write_text(text)
+    with pytest.raises(MeshHealError, match=r"pair default: .*gpt-oss-120b: 4, llama-3.2-1b: 3"):
+        params.load_pair("default", tmp_path)
