@@ -191,8 +191,11 @@ class Experiment:
             )
         for dataset in self.datasets:
             load_profile(dataset, self.profiles_dir)
-        for pair in self.pairs:
-            load_pair(pair, self.params_dir)
+        for pair in self.pairs:  # every model file has a p_part for every dataset's task types
+            loaded = load_pair(pair, self.params_dir)
+            for dataset in self.datasets:
+                for model in (loaded.strong, loaded.weak):
+                    model.p_part_base(load_profile(dataset, self.profiles_dir))
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
         self.schedule()

@@ -77,3 +77,20 @@ def test_pair_with_different_distractor_counts_names_both_files(tmp_path):
         (tmp_path / f"{name}.toml").write_text(text)
     with pytest.raises(MeshHealError, match=r"pair default: .*gpt-oss-120b: 4, llama-3.2-1b: 3"):
         params.load_pair("default", tmp_path)
+
+
+def test_a_dataset_missing_from_p_part_is_refused_before_the_run(tmp_path):
+    from meshheal_jax.runner import Experiment
+
+    for name in params.PAIRS["default"]:
+        text = (params.MODEL_DIR / f"{name}.toml").read_text()
+        if name == "llama-3.2-1b":
+            text = "\n".join(line for line in text.splitlines() if not line.startswith("bbh = "))
+        (tmp_path / f"{name}.toml").write_text(text)
+    exp = Experiment(
+        name="main", datasets=("bbh",), pairs=("default",), seeds=(0,), n_tasks=42, params_dir=tmp_path
+    )
+    with pytest.raises(
+        MeshHealError, match="model file llama-3.2-1b: no \\[p_part\\] entry for dataset 'bbh'"
+    ):
+        exp.validate()
