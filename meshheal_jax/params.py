@@ -318,13 +318,8 @@ def threshold_table(pair: Pair, section: str) -> np.ndarray:
 def load_pair(name: str, model_dir: Path | None = None) -> Pair:
     if name not in PAIRS:
         raise MeshHealError(f"unknown pair {name!r}; known: {sorted(PAIRS)}")
-    strong, weak = (load_model(m, model_dir) for m in PAIRS[name])
-    if strong.n_distractors != weak.n_distractors:  # a wrong answer is one of the same distractors
-        raise MeshHealError(
-            f"pair {name}: both model files must have the same n_distractors "
-            f"({strong.name}: {strong.n_distractors}, {weak.name}: {weak.n_distractors})"
-        )
-    return Pair(name, strong, weak)
+    strong, weak = PAIRS[name]
+    return Pair(name, load_model(strong, model_dir), load_model(weak, model_dir))
 
 
 def dump_model(m: ModelParams, header: str = "") -> str:

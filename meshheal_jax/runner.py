@@ -193,6 +193,14 @@ class Experiment:
             load_profile(dataset, self.profiles_dir)
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
+            if (
+                self.engine == "jax" or self.baselines()
+            ) and loaded.strong.n_distractors != loaded.weak.n_distractors:
+                raise MeshHealError(  # the reference engine draws each model's own
+                    f"pair {pair}: the jax engine and the baselines need the same n_distractors in both model "
+                    f"files ({loaded.strong.name}: {loaded.strong.n_distractors}, {loaded.weak.name}: "
+                    f"{loaded.weak.n_distractors}); use --engine reference --methods meshheal"
+                )
             for dataset in self.datasets:
                 for model in (loaded.strong, loaded.weak):
                     model.p_part_base(load_profile(dataset, self.profiles_dir))
@@ -333,9 +341,12 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                     f"output folder {out} holds a run of a different configuration ({changed} differ); "
                     "choose another --out"
                 )
+            inputs = input_digests(exp)
+            if "inputs" not in previous:  # a folder made before inputs were kept: from now on
+                write_atomic(config_path, json.dumps({**previous, "inputs": inputs}, indent=2))
             changed = [
                 f"{role} ({entry['path']})"
-                for role, entry in input_digests(exp).items()
+                for role, entry in inputs.items()
                 if role in previous.get("inputs", {})
                 and previous["inputs"][role]["sha256"] != entry["sha256"]
             ]
@@ -357,9 +368,10 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
 def input_digests(exp: Experiment) -> dict[str, dict]:
     """Every input file the run reads (profiles, emulator model files, an edge list), by role: its
     path and the sha256 of its contents. A resumed run must read what the finished streams were
-    made from; the folder paths alone are in the configuration, not what the files hold."""
+    made from; the folder paths alone are in the configuration, not what the files hold. A live
+    run's model files are left out: its calls go to the servers, no emulator number is read."""
     files = {f"profile {d}": profile_path(d, exp.profiles_dir) for d in exp.datasets}
-    for pair in exp.pairs:
+    for pair in exp.pairs if exp.backend != "live" else ():  # live calls read no emulator numbers
         files |= {f"model file {m}": model_path(m, exp.params_dir) for m in PAIRS[pair]}
     if exp.edges_file is not None:
         files["edge list"] = Path(exp.edges_file)

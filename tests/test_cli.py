@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import pytest
 from meshheal_jax import metrics, params, topology
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.runner import Experiment, prepare_run_dir
+from meshheal_jax.runner import Experiment, input_digests, prepare_run_dir
 from meshheal_jax.streams import RECOVERY_PHASES
 
 TABLES = ("tasks", "reviews", "states", "calls")
@@ -211,6 +212,18 @@ def test_resume_refuses_input_files_whose_contents_changed(tmp_path, edited):
         prepare_run_dir(exp, out)
     path.write_text(original)  # restored: resumes again
     assert prepare_run_dir(exp, out) == out
+
+
+def test_inputs_kept_from_the_first_resume_of_an_older_folder_and_live_runs_skip_model_files(tmp_path):
+    exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42)
+    out = prepare_run_dir(exp, tmp_path / "run")
+    config = json.loads((out / "config.json").read_text())
+    assert sorted(config["inputs"]) == ["model file gpt-oss-120b", "model file llama-3.2-1b", "profile math"]
+    (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "inputs"}))
+    prepare_run_dir(exp, out)  # a folder from before inputs were kept resumes, and keeps them from now on
+    assert json.loads((out / "config.json").read_text())["inputs"] == config["inputs"]
+    live = dataclasses.replace(exp, backend="live")  # its calls read no emulator numbers
+    assert sorted(input_digests(live)) == ["profile math"]
 
 
 def test_resume_after_losing_a_stream_and_the_summary(tmp_path):

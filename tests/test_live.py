@@ -6,6 +6,7 @@ Real sockets and the real openai SDK; no model, no GPU."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -354,6 +355,33 @@ def test_gc_pause_counts_overlapping_batches_and_survives_errors():
     assert gc.isenabled()
     with gc_paused(False):
         assert gc.isenabled()
+
+
+def test_a_cancelled_or_abandoned_batch_does_not_keep_the_collector_paused():
+    async def scenario() -> list[bool]:
+        seen = []
+        async with ScriptedServer(delay_s=5.0) as server:
+            client = LiveClient([strong(server)], retry=FAST_RETRY)
+            await client.start()
+            task = asyncio.ensure_future(client.run_batch([gen_request(i) for i in range(3)]))
+            await asyncio.sleep(0.2)
+            seen.append(gc.isenabled())  # in flight: paused
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            seen.append(gc.isenabled())  # cancelled: resumed
+            abandoned = asyncio.ensure_future(client.run_batch([gen_request(i) for i in range(3)]))
+            await asyncio.sleep(0.2)
+            seen.append(gc.isenabled())  # a batch whose caller never finishes it
+            await client.aclose()  # closing its client releases its pause
+            seen.append(gc.isenabled())
+            abandoned.cancel()  # when the batch ends later, its own release is a no-op
+            with contextlib.suppress(BaseException):
+                await abandoned
+            seen.append(gc.isenabled())
+        return seen
+
+    assert run(scenario()) == [False, True, False, True, True]
 
 
 def test_round_robin_over_two_urls():

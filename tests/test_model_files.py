@@ -69,14 +69,29 @@ def test_unknown_task_type_in_p_part_is_named(strong_doc):
         model.p_part_base(topology.load_profile("bbh"))
 
 
-def test_pair_with_different_distractor_counts_names_both_files(tmp_path):
+def test_different_distractor_counts_named_for_the_jax_engine_only(tmp_path):
+    from meshheal_jax.runner import Experiment
+
     for name in params.PAIRS["default"]:
         text = (params.MODEL_DIR / f"{name}.toml").read_text()
         if name == "llama-3.2-1b":
             text = text.replace("n_distractors = 4", "n_distractors = 3", 1)
         (tmp_path / f"{name}.toml").write_text(text)
+    exp = Experiment(
+        name="main", datasets=("bbh",), pairs=("default",), seeds=(0,), n_tasks=42, params_dir=tmp_path
+    )
     with pytest.raises(MeshHealError, match=r"pair default: .*gpt-oss-120b: 4, llama-3.2-1b: 3"):
-        params.load_pair("default", tmp_path)
+        exp.validate()
+    Experiment(
+        name="main",
+        datasets=("bbh",),
+        pairs=("default",),
+        seeds=(0,),
+        n_tasks=42,
+        params_dir=tmp_path,
+        methods=("meshheal",),
+        engine="reference",
+    ).validate()  # the reference draws each model's own
 
 
 def test_a_dataset_missing_from_p_part_is_refused_before_the_run(tmp_path):

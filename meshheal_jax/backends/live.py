@@ -422,35 +422,54 @@ def _retry_after_s(response: Any) -> float | None:
 
 
 _gc_lock = threading.Lock()
-_gc_pauses = 0  # batches in flight that paused the collector, over every client and thread
-_gc_resume = False  # whether the first of them found it enabled
+_gc_holds: set[object] = set()  # one token per paused batch in flight, over every client and thread
+_gc_resume = False  # whether the collector was enabled when the first of them began
+
+
+def _pause_gc() -> object:
+    global _gc_resume
+    token = object()
+    with _gc_lock:
+        if not _gc_holds:
+            _gc_resume = gc.isenabled()
+            gc.disable()
+        _gc_holds.add(token)
+    return token
+
+
+def _release_gc(token: object) -> None:
+    """Idempotent: a pause released by its client's close is not released again by its batch."""
+    with _gc_lock:
+        if token not in _gc_holds:
+            return
+        _gc_holds.discard(token)
+        if not _gc_holds and _gc_resume:
+            gc.enable()
 
 
 @contextlib.contextmanager
-def gc_paused(pause: bool = True):
+def gc_paused(pause: bool = True, held: set | None = None):
     """Pause Python's cyclic garbage collector while a batch is in flight (docs/decisions.md L1).
 
     Reference counting frees everything not held in a reference cycle, which is every request,
     reply and connection object of a batch (a 1,024-request batch left 0 objects for the
     collector); the collector's passes over them cost 13-20% of the client's CPU at 256 in
     flight. Process-wide, so counted: the collector resumes when the last paused batch ends, and
-    only if it was enabled when the first began (a caller's own `gc.disable()` is kept)."""
-    global _gc_pauses, _gc_resume
+    only if it was enabled when the first began. `held`: the owner's set of its pauses in flight
+    (LiveClient.aclose releases them, so a batch abandoned unfinished cannot keep the collector
+    off)."""
     if not pause:
         yield
         return
-    with _gc_lock:
-        if _gc_pauses == 0:
-            _gc_resume = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
+    token = _pause_gc()
+    if held is not None:
+        held.add(token)
     try:
         yield
     finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_resume:
-                gc.enable()
+        if held is not None:
+            held.discard(token)
+        _release_gc(token)
 
 
 class LiveClient:
@@ -465,6 +484,7 @@ class LiveClient:
         pause_gc: bool = True,
     ) -> None:
         self.pause_gc = pause_gc
+        self._gc_held: set[object] = set()  # this client's batches holding the collector paused
         self.groups: dict[str, ServerGroup] = {}
         for group in servers:
             if group.role in self.groups:
@@ -579,6 +599,9 @@ class LiveClient:
         )
 
     async def aclose(self) -> None:
+        for token in list(self._gc_held):  # a batch abandoned unfinished (its loop stopped)
+            _release_gc(token)
+        self._gc_held.clear()
         for servers in self._servers.values():
             for server in servers:
                 for client, _ in server.lanes:
@@ -608,7 +631,7 @@ class LiveClient:
         missing = {r.role for r in requests} - set(self._servers)
         if missing:
             raise MeshHealError(f"live backend: no server configured for role(s) {sorted(missing)}")
-        with gc_paused(self.pause_gc):
+        with gc_paused(self.pause_gc, self._gc_held):
             results = await asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
         failures = [result for result in results if isinstance(result, BaseException)]
         if not failures:
