@@ -12,6 +12,7 @@ Prints each arm's median and best time per round and the change.
     python benchmarks/ab_rounds.py /tmp/before . --agents 576
     python benchmarks/ab_rounds.py /tmp/before . --agents 6 --streams 64
     python benchmarks/ab_rounds.py /tmp/before . --agents 9216 --turns 6
+    python benchmarks/ab_rounds.py . . --after-xla-flags=--xla_cpu_use_multi_output_fusion=true
 
 The network is the scale experiment's (replicated bbh profile, sparse graph above 6 agents,
 slots N/6, seeds 0..streams-1), built by each checkout's own benchmarks/sim_throughput.py; the
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4, help="chunks per turn")
     ap.add_argument("--rounds", type=int, default=32, help="rounds per chunk")
     ap.add_argument("--skip", type=int, default=4, help="chunks run before the timed state")
+    ap.add_argument("--after-xla-flags", default="", help="XLA_FLAGS added to the second arm only (an XLA "
+                    "flag A/B: give the same checkout twice)")  # fmt: skip
     ap.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.arm:
@@ -97,11 +100,13 @@ def main() -> None:
     passed = ["--agents", str(args.agents), "--streams", str(args.streams), "--chunks", str(args.chunks),
               "--rounds", str(args.rounds), "--skip", str(args.skip), "--arm"]  # fmt: skip
     arms = []
-    for checkout in (args.before, args.after):
+    for checkout, flags in ((args.before, ""), (args.after, args.after_xla_flags)):
         root = checkout.resolve()
         if not (root / "meshheal_jax" / "engine.py").is_file():
             ap.error(f"{checkout} is not a checkout of this repository (no meshheal_jax/engine.py)")
         env = dict(os.environ, PYTHONPATH=str(root), MESHHEAL_JAX_CACHE="off")
+        if flags:
+            env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
         arms.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *passed], cwd=root, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
     names: list[str] = []
@@ -124,6 +129,8 @@ def main() -> None:
     print(f"{args.agents} agents x {args.streams} stream(s), {args.turns} turns of {args.chunks} x {args.rounds} "
           f"rounds per arm, alternating")  # fmt: skip
     print("| arm | checkout | round ms, median | best |\n|---|---|---|---|")
+    if args.after_xla_flags:
+        names[1] += f" + XLA_FLAGS {args.after_xla_flags}"
     for label, name, t in zip(("before", "after"), names, times):
         print(f"| {label} | {name} | {1e3 * statistics.median(t):.3f} | {1e3 * min(t):.3f} |")
     change = statistics.median(times[1]) / statistics.median(times[0]) - 1
