@@ -106,11 +106,11 @@ def print_summary(summary: dict) -> None:
     agents = [(a["agent"], a.get("profile", str(a["agent"]))) for a in with_agents[0]["agents"]]
     columns = [f"{p} detection delay" for _, p in agents] + [f"{p} closure" for _, p in agents]
     print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated; closure: seeds "
-          f"where it stays isolated to the end; missed (of {len(agents)}) and false isolations (transitions of "
-          "healthy agents to isolated) per seed.")  # fmt: skip
+          f"where it stays isolated to the end; missed (of {len(agents)}), false isolations (transitions of "
+          "healthy agents to isolated) and the distinct agents falsely isolated, per seed.")  # fmt: skip
     detect = new_table(
         "Detection per degraded agent",
-        "dataset", "method", *columns, "missed", "false isolations",
+        "dataset", "method", *columns, "missed", "false isolations", "falsely isolated agents",
     )  # fmt: skip
     previous = None
     for r in with_agents:
@@ -122,7 +122,7 @@ def print_summary(summary: dict) -> None:
             r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
             *(delay_text(r, by_agent[k]["detection_delay"]) for k, _ in agents),
             *(closure_text(r, by_agent[k]) for k, _ in agents),
-            fmt(r["missed"], 2), fmt(r["false_isolations"], 2),
+            fmt(r["missed"], 2), fmt(r["false_isolations"], 2), fmt(r["false_isolated_agents"], 2),
         )  # fmt: skip
     print_table(detect)
     if any(not isolates(r) for r in with_agents):

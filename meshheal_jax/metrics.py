@@ -155,6 +155,11 @@ def review_audit(reviews: pl.DataFrame) -> dict:
         "committee_keeps_degraded": _ratio(low("q", flagged_d).height, flagged_d.height),
         "takeovers": r["takeover"].sum(),
         "finalize_takeovers": n_take,
+        # spec §7: the Takeover outcome counts on Finalize outputs; and their shares of
+        # finalize_takeovers (the calibration targets are shares)
+        "takeover_wrong_to_right_count": wrong_to_right,
+        "takeover_right_to_wrong_count": right_to_wrong,
+        "takeover_unchanged_count": n_take - wrong_to_right - right_to_wrong,
         "takeover_wrong_to_right": _ratio(wrong_to_right, n_take),
         "takeover_right_to_wrong": _ratio(right_to_wrong, n_take),
         "takeover_unchanged": _ratio(n_take - wrong_to_right - right_to_wrong, n_take),

@@ -221,6 +221,7 @@ def results_table(summary: dict) -> str:
                 fmt(r["tokens_per_task_degraded"], 1, 1e-3),
                 fmt(r.get("missed"), 2),
                 fmt(r.get("false_isolations"), 2),
+                fmt(r.get("false_isolated_agents"), 2),
             ]
         )
     headers = (
@@ -236,6 +237,7 @@ def results_table(summary: dict) -> str:
         "tokens D (k)",
         "missed",
         "false isolations",
+        "falsely isolated agents",
     )
     return md_table(headers, rows) if rows else ""
 

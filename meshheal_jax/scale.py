@@ -77,7 +77,8 @@ def print_summary(summary: dict) -> None:
     table = new_table(
         f"Network scaling ({summary['engine']} engine, {summary['backend']} backend, slots {summary['slots']})",
         "topology", "agents", "edges (paper)", "of complete", "max ability dist", "acc H", "acc D",
-        "isolated/degraded", "missed", "false isolations", "detection delay", "tokens/task (k)", "wall s",
+        "isolated/degraded", "missed", "false isolations (agents)", "detection delay", "tokens/task H / D (k)",
+        "wall s",
     )  # fmt: skip
     for r in summary["results"]:
         paper = PAPER_EDGES.get(r["n_agents"]) if r["topology"] == "sparse" else None
@@ -85,8 +86,10 @@ def print_summary(summary: dict) -> None:
         table.add_row(
             r["topology"], f"{r['n_agents']:,}", edges, f"{100 * r['edge_fraction']:.2f}%", str(r["max_ability_distance"]),
             fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), f"{fmt(r['isolated_degraded'], 1)} / {r['degraded']}",
-            fmt(r["missed"], 1), fmt(r["false_isolations"], 1), fmt(r.get("detection_delay_mean"), 1),
-            fmt(r["tokens_per_task_healthy"], 1, 1e-3), f"{r['wall_s']:.1f}",
+            fmt(r["missed"], 1), f"{fmt(r['false_isolations'], 1)} ({fmt(r.get('false_isolated_agents'), 1)})",
+            fmt(r.get("detection_delay_mean"), 1),
+            f"{fmt(r['tokens_per_task_healthy'], 1, 1e-3)} / {fmt(r['tokens_per_task_degraded'], 1, 1e-3)}",
+            f"{r['wall_s']:.1f}",
         )  # fmt: skip
     print_table(table)
 

@@ -198,6 +198,9 @@ def test_review_audit_ratios():
     assert a["takeover_wrong_to_right"] == approx(1 / 3)
     assert a["takeover_right_to_wrong"] == approx(1 / 3)
     assert a["takeover_unchanged"] == approx(1 / 3)
+    # spec §7 asks for the counts; the shares above are of finalize_takeovers
+    counts = [a[f"takeover_{k}_count"] for k in ("wrong_to_right", "right_to_wrong", "unchanged")]
+    assert counts == [1, 1, 1]
     assert a["probe_outputs"] == 1
     assert a["probe_mean_q"] == approx(0.125)
 
@@ -209,6 +212,7 @@ def test_review_audit_undefined_ratios_are_null():
     assert a["initial_recall"] is None and a["final_recall"] is None
     assert a["committee_clears_healthy"] is None  # nothing flagged
     assert a["takeover_wrong_to_right"] is None and a["finalize_takeovers"] == 0
+    assert a["takeover_wrong_to_right_count"] == a["takeover_unchanged_count"] == 0
     assert a["probe_outputs"] == 0 and a["probe_mean_q"] is None
     assert a["initial_false_alarm"] == 0.0
 
