@@ -13,10 +13,7 @@ import dataclasses
 
 from meshheal_jax import report, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
-
-NEVER_ISOLATED = "never isolated"
-NOT_ESTABLISHED = "not established"
-UNDEFINED = "undefined"
+from meshheal_jax.report import NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED, isolates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +53,6 @@ def method_label(r: dict) -> str:
     extra = [x for x, default in ((r.get("variant"), "full"), (r.get("detector"), "relative"))
              if r["method"] == "meshheal" and x not in (None, default)]  # fmt: skip
     return r["method"] + (f" ({', '.join(extra)})" if extra else "")
-
-
-def isolates(r: dict) -> bool:
-    """Whether the method has a detector that isolates agents (MeshHeal; not the baselines)."""
-    return r.get("detector") != runner.NO_DETECTOR
 
 
 def delay_text(r: dict, stat: dict) -> str:

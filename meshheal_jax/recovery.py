@@ -15,8 +15,9 @@ import dataclasses
 import polars as pl
 
 from meshheal_jax import report, runner
-from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
-from meshheal_jax.main import NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED, isolates, method_label, ordered
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
+from meshheal_jax.main import method_label, ordered
+from meshheal_jax.report import NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED, agent_cells, isolates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,21 +38,6 @@ def experiment(cfg: RecoveryConfig) -> runner.Experiment:
         methods=tuple(cfg.methods), engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, protocol=cfg.protocol,
         profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip
-
-
-def agent_cells(r: dict, a: dict) -> list[str]:
-    """Detection delay, closure, reintegration delay of one degraded agent, in words where undefined."""
-    seeds = len(r["seeds"])
-    if not isolates(r):
-        return [NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED]
-    detection = NEVER_ISOLATED if a["detection_delay"]["n_defined"] == 0 else fmt_range(a["detection_delay"])
-    if a["recovered_at"] is None:
-        reintegration = "— (never restored)"
-    elif a["reintegration_delay"]["n_defined"] == 0:
-        reintegration = UNDEFINED
-    else:
-        reintegration = fmt_range(a["reintegration_delay"])
-    return [detection, f"{a['closure_seeds']}/{seeds} seeds", reintegration]
 
 
 def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:

@@ -263,25 +263,43 @@ def phases_table(summary: dict) -> str:
     return md_table(headers, rows) if rows else ""
 
 
+# The words every printed table and report.md use where a detector outcome never happened
+# (docs/decisions.md R2)
+NEVER_ISOLATED = "never isolated"
+NOT_ESTABLISHED = "not established"
+UNDEFINED = "undefined"
+
+
+def isolates(r: dict) -> bool:
+    """Whether the method has a detector that isolates agents (MeshHeal; not the baselines)."""
+    return r.get("detector") != runner.NO_DETECTOR
+
+
+def agent_cells(r: dict, a: dict) -> list[str]:
+    """Detection delay, closure, reintegration delay of one degraded agent, in words where undefined."""
+    seeds = len(r["seeds"])
+    if not isolates(r):
+        return [NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED]
+    detection = NEVER_ISOLATED if a["detection_delay"]["n_defined"] == 0 else fmt_range(a["detection_delay"])
+    if a.get("recovered_at") is None:
+        reintegration = "— (never restored)"
+    elif a["reintegration_delay"]["n_defined"] == 0:
+        reintegration = UNDEFINED
+    else:
+        reintegration = fmt_range(a["reintegration_delay"])
+    return [detection, f"{a['closure_seeds']}/{seeds} seeds", reintegration]
+
+
 def agents_table(summary: dict) -> str:
     rows = []
     n_tasks = summary.get("n_tasks")
     for r in summary.get("results", []):
         for a in r.get("agents") or []:
             end = a["recovered_at"] - 1 if a.get("recovered_at") else n_tasks
-            reintegration = (
-                fmt_range(a["reintegration_delay"]) if a.get("recovered_at") else "— (never restored)"
-            )
             rows.append(
-                [
-                    *_labels(r),
-                    f"{a.get('profile', '')} (agent {a['agent']})",
-                    f"{a['degraded_at']}–{end}",
-                    fmt_range(a["detection_delay"]),
-                    f"{a['closure_seeds']}/{len(r['seeds'])}",
-                    reintegration,
-                ]
-            )
+                [*_labels(r), f"{a.get('profile', '')} (agent {a['agent']})", f"{a['degraded_at']}–{end}",
+                 *agent_cells(r, a)]
+            )  # fmt: skip
     headers = (
         "method",
         "dataset",
@@ -289,7 +307,7 @@ def agents_table(summary: dict) -> str:
         "agent",
         "degraded tasks",
         "detection delay",
-        "closure seeds",
+        "closure",
         "reintegration delay",
     )
     return md_table(headers, rows) if rows else ""
