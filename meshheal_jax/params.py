@@ -16,7 +16,7 @@ import numpy as np
 
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.streams import DIFFICULTY_BINS
-from meshheal_jax.topology import Profile
+from meshheal_jax.topology import Profile, unknown_keys, whole_number
 
 MODEL_DIR = Path(__file__).parent / "model_params"
 ANCHORS = (0.0, 0.25, 0.5, 1.0)
@@ -187,13 +187,6 @@ def _non_negative(value, where: str) -> float:
     return float(value)
 
 
-def _count(value, where: str, minimum: int = 0) -> int:
-    """A whole number >= minimum (an integer in the file, not a float or a boolean)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MeshHealError(f"{where} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _table(doc: dict, key: str, source: str) -> dict:
     if key not in doc:
         raise MeshHealError(f"{source}: missing key {key!r}")
@@ -235,27 +228,25 @@ def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool],
 
 
 def parse_model(doc: dict, name: str, source: str) -> ModelParams:
-    unknown = sorted(set(doc) - set(MODEL_KEYS))
-    if unknown:  # a misspelt optional key would otherwise fall back to its default unnoticed
-        raise MeshHealError(f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(MODEL_KEYS)}")
+    unknown_keys(doc, MODEL_KEYS, source)
     missing = [k for k in SCALARS + ("n_distractors",) if k not in doc]
     if missing:
         raise MeshHealError(f"{source}: missing key(s) {', '.join(missing)}")
     scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
     scalars |= {k: _non_negative(doc.get(k, 0.0), f"{source}: {k}") for k in DIFFICULTY}
     scalars[DRAFT_BLAME] = _probability(doc.get(DRAFT_BLAME, 0.0), f"{source}: {DRAFT_BLAME}")
-    n_distractors = _count(doc["n_distractors"], f"{source}: n_distractors", 1)
+    n_distractors = whole_number(doc["n_distractors"], f"{source}: n_distractors", 1)
     completion = {}
     for kind, bounds in _per_kind(doc, "completion_tokens", source).items():
         where = f"{source}: completion_tokens.{kind}"
         if not isinstance(bounds, list) or len(bounds) != 2:
             raise MeshHealError(f"{where} must be [min, max], got {bounds!r}")
-        low, high = (_count(x, where) for x in bounds)
+        low, high = (whole_number(x, where) for x in bounds)
         if low > high:
             raise MeshHealError(f"{where} must be [min, max] with min <= max, got {bounds!r}")
         completion[kind] = (low, high)
     prompt = {
-        k: _count(v, f"{source}: prompt_tokens.{k}")
+        k: whole_number(v, f"{source}: prompt_tokens.{k}")
         for k, v in _per_kind(doc, "prompt_tokens", source).items()
     }
     p_part = {}

@@ -189,8 +189,7 @@ class Experiment:
             raise MeshHealError(
                 "live server settings were given but the backend is emulated: add --backend live"
             )
-        for dataset in self.datasets:
-            load_profile(dataset, self.profiles_dir)
+        profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
             if (
@@ -201,9 +200,9 @@ class Experiment:
                     f"files ({loaded.strong.name}: {loaded.strong.n_distractors}, {loaded.weak.name}: "
                     f"{loaded.weak.n_distractors}); use --engine reference --methods meshheal"
                 )
-            for dataset in self.datasets:
+            for profile in profiles:
                 for model in (loaded.strong, loaded.weak):
-                    model.p_part_base(load_profile(dataset, self.profiles_dir))
+                    model.p_part_base(profile)
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
         self.schedule()

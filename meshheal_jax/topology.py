@@ -68,7 +68,8 @@ def _agent_index(name: str, where: str, source: str = "profile") -> int:
     return index
 
 
-def _unknown_keys(table: dict, known: tuple[str, ...], where: str) -> None:
+def unknown_keys(table: dict, known: tuple[str, ...], where: str) -> None:
+    """Refuse keys outside `known` (profiles and model files)."""
     unknown = sorted(set(table) - set(known))
     if unknown:  # a misspelt key would otherwise be read as absent
         raise MeshHealError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -80,7 +81,7 @@ def _rows(doc: dict, key: str, source: str) -> list[dict]:
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise MeshHealError(f"{source}: {key} must be an array of tables ([[{key}]] entries), got {rows!r}")
     for row in rows:
-        _unknown_keys(row, ROW_KEYS[key], f"{source}: {key} {row.get('name')!r}")
+        unknown_keys(row, ROW_KEYS[key], f"{source}: {key} {row.get('name')!r}")
     return rows
 
 
@@ -92,7 +93,8 @@ def _names(row: dict, key: str, where: str) -> list[str]:
     return value
 
 
-def _whole(value, where: str, minimum: int) -> int:
+def whole_number(value, where: str, minimum: int = 0) -> int:
+    """An integer >= minimum as the file wrote it (not a float, not a boolean); profiles and model files."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise MeshHealError(f"{where} must be an integer >= {minimum}, got {value!r}")
     return value
@@ -100,11 +102,11 @@ def _whole(value, where: str, minimum: int) -> int:
 
 def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
     """Build and validate a Profile from a parsed TOML document."""
-    _unknown_keys(doc, PROFILE_KEYS, source)
+    unknown_keys(doc, PROFILE_KEYS, source)
     try:
         dataset = str(doc["dataset"])
-        dataset_id = _whole(doc["dataset_id"], f"{source}: dataset_id", 0)
-        question_tokens = _whole(doc.get("question_tokens", 200), f"{source}: question_tokens", 1)
+        dataset_id = whole_number(doc["dataset_id"], f"{source}: dataset_id", 0)
+        question_tokens = whole_number(doc.get("question_tokens", 200), f"{source}: question_tokens", 1)
         ability_rows = _rows(doc, "ability", source)
         type_rows = _rows(doc, "task_type", source)
         target_names = _names(doc, "degraded_targets", source) if "degraded_targets" in doc else ["A3", "A5"]
