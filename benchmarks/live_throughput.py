@@ -84,7 +84,7 @@ COLUMNS = {  # the tables' columns, in print order
           "host_overhead", "cpu_ms_per_call"],
     "b": ["client", "requests", "server_received", "wall_s", "ideal_s", "host_overhead", "cpu_s",
           "cpu_ms_per_call", "cpu_share_of_wall", "client_max_in_flight", "server_max_in_flight",
-          "server_mean_in_flight", "cyclic_garbage"],
+          "server_mean_in_flight", "cyclic_garbage", "replies_per_commit"],
     "b_floor": ["client", "requests", "cpu_s", "cpu_ms_per_call"],
     "c": ["streams", "agents", "slots", "tasks", "rounds", "requests", "http_calls", "requests_per_round",
           "wall_s", "first_round_compile_s", "wall_excl_compile_s", "in_run_batch_s",
@@ -472,7 +472,12 @@ def section_b(
                     batch = bench_requests(b, seed_base=30_000 + k * 100_003)
                     stand_in.reset(latency)
                     gc.collect()
+                    before = (cache.writes, cache.commits) if cache is not None else None
                     run = await timed_batch(client, batch)
+                    # the response cache's grouped writes (decisions L2): replies per sqlite commit
+                    run["replies_per_commit"] = (
+                        math.nan if cache is None else (cache.writes - before[0]) / max(cache.commits - before[1], 1)
+                    )
                     run["server"] = stand_in.stats()
                     del run["responses"]
                     # what the batch left for the collector: its objects in reference cycles
@@ -596,7 +601,7 @@ def section_b(
                 "cpu_share_of_wall": run["cpu_s"] / run["wall_s"],
                 "client_max_in_flight": run["client_max_in_flight"],
                 "server_max_in_flight": server["max_in_flight"], "server_mean_in_flight": server["mean_in_flight"],
-                "cyclic_garbage": run["cyclic_garbage"],
+                "cyclic_garbage": run["cyclic_garbage"], "replies_per_commit": run.get("replies_per_commit", math.nan),
             })  # fmt: skip
     floor = {
         "title": "b (floor): the openai SDK's own CPU per call, no socket and no server (median of the passes)",

@@ -622,6 +622,58 @@ def test_repeated_batch_is_served_from_cache(tmp_path):
     run(scenario())
 
 
+def test_replies_of_a_batch_are_on_disk_when_it_returns(tmp_path):
+    """put_soon groups the replies of one loop turn into one commit; run_batch flushes before it
+    returns, so another connection sees every reply."""
+    import sqlite3
+
+    requests = [gen_request(i) for i in range(12)]
+
+    async def scenario():
+        async with ScriptedServer() as server:
+            with ResponseCache(tmp_path / "responses.sqlite") as cache:
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
+                    await client.run_batch(requests)
+                    other = sqlite3.connect(tmp_path / "responses.sqlite")
+                    assert other.execute("SELECT COUNT(*) FROM responses").fetchone()[0] == 12
+                    other.close()
+                    assert cache.writes == 12 and 1 <= cache.commits <= 12
+
+    run(scenario())
+
+
+def test_put_soon_commits_one_turn_together(tmp_path):
+    payload = {"choices": [{"text": "x"}]}
+
+    async def scenario(cache):
+        for i in range(5):
+            cache.put_soon(f"k{i}", "m", payload)
+        assert cache.commits == 0 and cache.get("k3") == payload  # held, yet readable
+        await asyncio.sleep(0)  # the loop's next turn
+        assert cache.commits == 1 and cache.writes == 5
+
+    with ResponseCache(tmp_path / "c.sqlite") as cache:
+        asyncio.run(scenario(cache))
+        cache.put_soon("outside", "m", payload)  # no running loop: written at once
+        assert cache.commits == 2 and "outside" in cache and len(cache) == 6
+
+
+def test_a_failed_grouped_write_is_raised_not_logged(tmp_path):
+    async def scenario(cache):
+        cache._db.execute("PRAGMA query_only = 1")  # every write now fails
+        cache.put_soon("k", "m", {"a": 1})
+        await asyncio.sleep(0)  # the loop's turn runs the flush, which fails
+        with pytest.raises(MeshHealError, match="cannot write 1 reply"):
+            cache.put_soon("k2", "m", {"a": 2})
+        cache._db.execute("PRAGMA query_only = 0")
+        cache.put_soon("k3", "m", {"a": 3})  # raised once: writes work again
+        cache.flush()
+        assert "k3" in cache and "k" not in cache and "k2" not in cache
+
+    with ResponseCache(tmp_path / "c.sqlite") as cache:
+        asyncio.run(scenario(cache))
+
+
 def test_cache_key_uses_real_model_id_and_sampling():
     messages = [{"role": "user", "content": "hi"}]
     params = {"n": 1, "seed": 4, "temperature": 1.0}

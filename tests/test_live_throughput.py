@@ -94,6 +94,9 @@ def test_b_every_client_variant_sent_everything(quick_run):
         assert r["requests"] == r["server_received"] == 2 * 64
         assert 1 <= r["client_max_in_flight"] <= 64 and 1 <= r["server_max_in_flight"] <= 64
         assert r["cpu_s"] > 0 and r["cpu_ms_per_call"] == pytest.approx(1e3 * r["cpu_s"] / r["requests"])
+        # grouped cache writes: every reply written, at least one per commit; no cache, no figure
+        assert math.isnan(r["replies_per_commit"]) == ("ResponseCache" not in r["client"])
+    assert 1 <= rows[2]["replies_per_commit"] <= rows[2]["requests"]
     no_cache, cache = quick_run[0]["targets"][:2]
     assert no_cache["value"] == rows[0]["host_overhead"] and "no cache" in no_cache["target"]
     assert cache["value"] == rows[2]["host_overhead"] and "ResponseCache" in cache["target"]

@@ -3,8 +3,10 @@
 One row per HTTP chat-completion call, keyed by the sha256 of (real model id, messages, sampling
 parameters, seed, n). The real model id (e.g. `openai/gpt-oss-120b`), never the served alias
 (`strong`) nor the server's URL, so a re-run against another server of the same model, or after a
-restart on another port, re-sends nothing it already has. A response is written the moment it
-arrives (sqlite3 in WAL mode, one commit per row), so a run killed mid-batch loses no tokens.
+restart on another port, re-sends nothing it already has. A response is written as it arrives
+(sqlite3 in WAL mode): `put` commits its row alone; the live client's `put_soon` commits the
+replies that arrive in one turn of its event loop together, at the loop's next turn (decisions
+L2), so a run killed mid-batch loses at most the replies of that turn.
 
 Nothing secret goes in: the key material has no headers or API key, the stored payload is the
 reply's text, finish reasons, usage and latency; any value of a known secret variable that
@@ -13,6 +15,7 @@ would still appear in it (a model echoing a token put in a prompt) is redacted b
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -94,11 +97,18 @@ class ResponseCache:
         except sqlite3.DatabaseError as err:
             raise MeshHealError(f"response cache {self.path}: cannot open ({err})") from None
         self._secrets = [s for s in extra_secrets if len(s) >= _MIN_SECRET_LENGTH]
+        self._pending: dict[str, tuple] = {}  # put_soon's rows, key -> row, until the next flush
+        self._failed: MeshHealError | None = None  # a write of _flush_soon's, raised at the next call
         self.hits = 0
         self.misses = 0
-        self.writes = 0
+        self.writes = 0  # rows written
+        self.commits = 0
 
     def get(self, key: str) -> dict | None:
+        pending = self._pending.get(key)
+        if pending is not None:
+            self.hits += 1
+            return json.loads(pending[2])
         row = self._db.execute("SELECT payload FROM responses WHERE key = ?", (key,)).fetchone()
         if row is None:
             self.misses += 1
@@ -107,21 +117,73 @@ class ResponseCache:
         return json.loads(row[0])
 
     def put(self, key: str, model_id: str, payload: Mapping[str, Any]) -> None:
+        """Write one reply now, in its own commit."""
+        self._write([self._row(key, model_id, payload)])
+
+    def put_soon(self, key: str, model_id: str, payload: Mapping[str, Any]) -> None:
+        """Write one reply with the others put in the same turn of the running event loop: one commit
+        for them all, at the loop's next turn (`flush`). Without a running loop, as `put`. A failed
+        write is raised by the next `put_soon` or `flush` (a loop callback's exception would only be
+        logged)."""
+        self._raise_failed()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.put(key, model_id, payload)
+            return
+        if not self._pending:
+            loop.call_soon(self._flush_soon)
+        self._pending[key] = self._row(key, model_id, payload)
+
+    def flush(self) -> None:
+        """Commit the replies `put_soon` holds; raise a write that failed since the last flush."""
+        self._raise_failed()
+        rows, self._pending = list(self._pending.values()), {}
+        if rows:
+            self._write(rows)
+
+    def _flush_soon(self) -> None:
+        try:
+            self.flush()
+        except MeshHealError as err:
+            self._failed = err
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            err, self._failed = self._failed, None
+            raise err
+
+    def _row(self, key: str, model_id: str, payload: Mapping[str, Any]) -> tuple:
         text = redact_secrets(canonical_json(payload), _secret_values() + self._secrets)
-        self._db.execute(
-            "INSERT OR REPLACE INTO responses (key, model_id, payload, created) VALUES (?, ?, ?, ?)",
-            (key, model_id, text, time.time()),
-        )
-        self.writes += 1
+        return key, model_id, text, time.time()
+
+    def _write(self, rows: list[tuple]) -> None:
+        try:
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "INSERT OR REPLACE INTO responses (key, model_id, payload, created) VALUES (?, ?, ?, ?)", rows
+            )
+            self._db.execute("COMMIT")
+        except sqlite3.Error as err:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise MeshHealError(f"response cache {self.path}: cannot write {len(rows)} reply(ies) ({err})") from None
+        self.writes += len(rows)
+        self.commits += 1
 
     def __contains__(self, key: str) -> bool:
+        self.flush()
         return self._db.execute("SELECT 1 FROM responses WHERE key = ?", (key,)).fetchone() is not None
 
     def __len__(self) -> int:
+        self.flush()
         return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
     def close(self) -> None:
-        self._db.close()
+        try:
+            self.flush()
+        finally:
+            self._db.close()
 
     def __enter__(self) -> Self:
         return self

@@ -632,7 +632,11 @@ class LiveClient:
         if missing:
             raise MeshHealError(f"live backend: no server configured for role(s) {sorted(missing)}")
         with gc_paused(self.pause_gc, self._gc_held):
-            results = await asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
+            try:
+                results = await asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
+            finally:
+                if self.cache is not None:
+                    self.cache.flush()
         failures = [result for result in results if isinstance(result, BaseException)]
         if not failures:
             return list(results)  # type: ignore[arg-type]
@@ -742,7 +746,7 @@ class LiveClient:
                 return hit, True, 0
         payload, retries = await self._post(request, params)
         if self.cache is not None:
-            self.cache.put(key, model_id, payload)
+            self.cache.put_soon(key, model_id, payload)
         return payload, False, retries
 
     def _next_server(self, role: str) -> _Server:
