@@ -476,7 +476,9 @@ def section_b(
                     run = await timed_batch(client, batch)
                     # the response cache's grouped writes (decisions L2): replies per sqlite commit
                     run["replies_per_commit"] = (
-                        math.nan if cache is None else (cache.writes - before[0]) / max(cache.commits - before[1], 1)
+                        math.nan
+                        if cache is None
+                        else (cache.writes - before[0]) / max(cache.commits - before[1], 1)
                     )
                     run["server"] = stand_in.stats()
                     del run["responses"]

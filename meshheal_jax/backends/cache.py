@@ -167,7 +167,9 @@ class ResponseCache:
         except sqlite3.Error as err:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
-            raise MeshHealError(f"response cache {self.path}: cannot write {len(rows)} reply(ies) ({err})") from None
+            raise MeshHealError(
+                f"response cache {self.path}: cannot write {len(rows)} reply(ies) ({err})"
+            ) from None
         self.writes += len(rows)
         self.commits += 1
 
