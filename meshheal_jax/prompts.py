@@ -13,8 +13,8 @@ the task type, no answer).
   `RESULT: ...`.
 - Ability inference: the 7-ability vocabulary with descriptions, the documented pair of every
   task type (with an example question when given), answer `{"abilities": [a, b]}`.
-- Contribute / Finalize review and committee round 2: the rubric (anchors 1.00 / 0.75 / 0.50 /
-  0.25 / 0.00, the evidence rule for scores <= 0.40), answered as JSON (`ContributeReview`,
+- Contribute / Finalize review and committee round 2: the rubric (anchors 1.00 / 0.50 / 0.25 /
+  0.00, the evidence rule for scores <= 0.40), answered as JSON (`ContributeReview`,
   `FinalizeReview`; their JSON schemas go out as `response_format`).
 - Takeover: a correction candidate per committee member, then a synthesis of the candidates.
 """
@@ -37,11 +37,12 @@ from meshheal_jax.topology import Profile
 
 Message = dict[str, str]
 
-ANCHORS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the review score grid
+# the review score grid: protocol.md §4's four anchors, the emulator's (params.ANCHORS)
+ANCHORS = (0.0, 0.25, 0.5, 1.0)
 NEUTRAL_SCORE = 0.5  # DECISION (live.md): a review that never parses counts as "cannot verify"
 LOW_SCORE_LIMIT = 0.40  # a score at or below this needs a concrete correctness error as evidence
 NO_FINAL_ANSWER_CAP = 0.25  # Finalize review: no single concrete final answer -> at most this
-SNAP_TOLERANCE = 0.125  # a reported score this close to an anchor is read as that anchor
+SNAP_TOLERANCE = 0.125  # a reported score this far outside [0, 1] is still read (as 0 or 1)
 
 COMPETENCE_YES = "COMPETENCE_MATCH:yes"
 COMPETENCE_PARTIAL = "COMPETENCE_MATCH:partial"
@@ -359,10 +360,10 @@ def snap_score(value: Any) -> float:
             raise ValueError(f"score {value!r} is not a number") from None
     if not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"score {value!r} is not a number")
-    nearest = min(ANCHORS, key=lambda anchor: (abs(anchor - value), abs(anchor - NEUTRAL_SCORE)))
-    if abs(nearest - value) > SNAP_TOLERANCE:
+    if not -SNAP_TOLERANCE <= value <= 1 + SNAP_TOLERANCE:
         raise ValueError(f"score {value!r} is outside [0, 1]")
-    return nearest
+    # the nearest anchor; a tie (0.75) goes toward the neutral 0.5
+    return min(ANCHORS, key=lambda anchor: (abs(anchor - value), abs(anchor - NEUTRAL_SCORE)))
 
 
 def _normalise_choice(value: Any, allowed: tuple[str, ...], what: str) -> str:
@@ -461,7 +462,6 @@ def _check_stage(stage: str) -> str:
 _ANCHOR_TEXT = (
     "Scores (use exactly one of these values):\n"
     "- 1.00: sound; correct and usable as it stands.\n"
-    "- 0.75: sound apart from minor flaws that do not change the result.\n"
     "- 0.50: you cannot verify it, or it is weak without a concrete error you can point to.\n"
     "- 0.25: it contains a concrete correctness error.\n"
     "- 0.00: unusable (empty, off-topic, or nonsense)."
@@ -519,7 +519,7 @@ def review_messages(
 
 
 _REVIEW_FIELDS = (
-    "- half_correct: your score for the judged part (0, 0.25, 0.5, 0.75 or 1)\n"
+    "- half_correct: your score for the judged part (0, 0.25, 0.5 or 1)\n"
     "- in_scope: true if the output stays within its part (advisory; never lowers the score)\n"
     "- normal_working_score: the same number as half_correct\n"
     "- confidence: low, medium or high\n"
@@ -792,12 +792,11 @@ def execution_parser(dataset: str) -> ReplyParser:
 # ---------------------------------------------------------------------------------------------
 # JSON in free text
 
-_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL | re.IGNORECASE)
-
 
 def _json_values(text: str | None) -> list[Any]:
-    """Every JSON object or array found in a reply, in order of appearance (whole text first,
-    then fenced blocks, then each top-level {...} / [...] a JSON decoder accepts)."""
+    """Every JSON object or array found in a reply, in order of appearance: the whole text if it is
+    one, else each top-level {...} / [...] a JSON decoder accepts, inside code fences or not (the
+    parsers take the last valid one, so a fenced schema echo before the answer does not win)."""
     if not text:
         return []
     stripped = text.strip()
@@ -805,11 +804,6 @@ def _json_values(text: str | None) -> list[Any]:
         return [json.loads(stripped)]
     except json.JSONDecodeError:
         pass
-    for block in _FENCE.findall(stripped):
-        try:
-            return [json.loads(block.strip())]
-        except json.JSONDecodeError:
-            continue
     decoder = json.JSONDecoder()
     found, i = [], 0
     while i < len(stripped):

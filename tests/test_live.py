@@ -510,6 +510,32 @@ def test_n3_fallback_when_server_returns_fewer_choices():
     run(scenario())
 
 
+def test_a_failed_fallback_send_leaves_no_sibling_running(tmp_path):
+    """One n=3 review, a server that returns one choice: of the two fallback sends, one is
+    rejected (400) and the other is slow. run_batch raises only after the slow one is back, so
+    its reply is cached, not abandoned in flight."""
+
+    async def scenario():
+        base = review_request(1).seed
+
+        def script(body, index):
+            if body["seed"] == base + 1:
+                return Reply(status=400)
+            if body["seed"] == base + 2:
+                return Reply(delay_s=0.5)
+            return Reply(honour_n=False)
+
+        async with ScriptedServer(script) as server:
+            with ResponseCache(tmp_path / "c.sqlite") as cache:
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
+                    with pytest.raises(RequestRejectedError, match="HTTP 400"):
+                        await client.run_batch([review_request(1)])
+                    assert server.in_flight == 0
+                    assert len(cache) == 2  # the n=3 reply and the slow fallback's
+
+    run(scenario())
+
+
 def test_request_seeds_are_spaced_by_n():
     seeds = {
         request_seed(s, d, t, c) for s in range(3) for d in range(3) for t in range(20) for c in range(12)

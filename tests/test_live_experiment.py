@@ -15,10 +15,12 @@ import tyro
 pytest.importorskip("openai")
 pytest.importorskip("pydantic")
 
-from test_live_loop import stand_ins  # the scripted stand-in servers
+from test_live_loop import RECORDS, bbh_spec, config, stand_ins  # the scripted stand-in servers
 
 from meshheal_jax import main, recovery, runner
+from meshheal_jax.backends.live_loop import run_live_streams
 from meshheal_jax.cli import live_settings
+from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 
 pytestmark = pytest.mark.filterwarnings("ignore::meshheal_jax.data.QuestionPoolWarning")
@@ -151,3 +153,22 @@ def test_recovery_and_runner_accept_the_live_backend():
         **{**exp.__dict__, "live": runner.LiveSettings(("http://z/v1",), ("http://y/v1",))}
     )
     assert runner.comparable(json.loads(json.dumps(moved.to_json()))) == a
+
+
+def test_single_reviewer_writes_its_correction_itself(tmp_path):
+    """The single_reviewer ablation's one correction call (decisions V2, emitted as a synthesis with
+    no candidates) is a correction prompt with the committee's reasons, not a synthesis prompt that
+    shows the rejected output as a reviewer's corrected candidate."""
+    pair = stand_ins()
+    try:
+        (frames,) = run_live_streams(
+            [bbh_spec(0)], ProtocolParams(variant="single_reviewer"), config(pair), RECORDS, run_dir=tmp_path
+        )
+        prompts_sent = [c["messages"][-1]["content"] for server in pair for c in server.chats]
+    finally:
+        for server in pair:
+            server.close()
+    corrections = frames["calls"].filter(pl.col("kind") == "synthesis").height
+    assert corrections > 0 and frames["calls"].filter(pl.col("kind") == "candidate").height == 0
+    assert sum("Write a corrected version" in text for text in prompts_sent) == corrections
+    assert not any("Two reviewers each wrote" in text for text in prompts_sent)

@@ -280,11 +280,29 @@ def test_parse_review_good():
     assert '"4 stoves are instruments"' in low.explanation
 
 
+def _score(value) -> float:
+    return prompts.parse_review(
+        _review_json(half_correct=value, normal_working_score=value), "contribute"
+    ).score
+
+
+def test_scores_snap_to_the_four_anchors(bbh):
+    """protocol.md §4's anchors 0 / 0.25 / 0.5 / 1 (the emulator's too): a reported score is read as
+    the nearest, 0.75 (equally near 0.5 and 1) as the neutral 0.5; past [0, 1] by more than the
+    tolerance it is garbage."""
+    assert prompts.ANCHORS == (0.0, 0.25, 0.5, 1.0)
+    assert [prompts.snap_score(v) for v in (0.1, 0.2, 0.4, 0.7, 0.75, 0.8, 0.9, 1.1, -0.1, "0.6")] == [
+        0.0, 0.25, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 0.0, 0.5,
+    ]  # fmt: skip
+    assert _score(0.8) == 1.0  # through the reply parser
+    for garbage in (1.2, -0.2, 3):
+        with pytest.raises(ReplyParseError):
+            _score(garbage)
+    assert all("0.75" not in _review_text(bbh, stage) for stage in ("contribute", "finalize"))
+
+
 def test_parse_review_snaps_and_tolerates_wrappers():
-    assert (
-        prompts.parse_review(_review_json(half_correct=0.7, normal_working_score=0.7), "contribute").score
-        == 0.75
-    )
+    assert _score(0.7) == 0.5
     assert (
         prompts.parse_review(_review_json(half_correct="1", normal_working_score="1"), "contribute").score
         == 1.0
@@ -293,6 +311,11 @@ def test_parse_review_snaps_and_tolerates_wrappers():
         "Here is my review:\n```json\n" + _review_json(half_correct=0.5, normal_working_score=0.5) + "\n```"
     )
     assert prompts.parse_review(fenced, "contribute").score == 0.5
+    # several JSON values, fenced or not: the last valid one is the reply's
+    second = "\n```json\n" + _review_json() + "\n```"
+    assert prompts.parse_review(fenced + second, "contribute").score == 1.0
+    echo = 'The schema:\n```json\n{"half_correct": "number"}\n```\n'
+    assert prompts.parse_review(echo + fenced, "contribute").score == 0.5
     chatty = (
         "Thinking... {not json} then " + _review_json(confidence="Medium", failure_type="None") + " done."
     )

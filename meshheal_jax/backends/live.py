@@ -472,6 +472,16 @@ def gc_paused(pause: bool = True, held: set | None = None):
         _release_gc(token)
 
 
+async def _all_settled(sends) -> list:
+    """Await every send, then raise the first failure: a failed send leaves none of its siblings
+    running unowned after `run_batch` returns (their replies are cached, not lost at close)."""
+    results = await asyncio.gather(*sends, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
 class LiveClient:
     """Async client of the strong and weak servers. Use `async with`, or `start()`/`aclose()`."""
 
@@ -667,8 +677,8 @@ class LiveClient:
         cached = _usage(payload, "cached_tokens")
         if 1 < n and len(choices) < n:
             self.stats.n_fallback_calls += n - len(choices)
-            extra = await asyncio.gather(
-                *(self._send(request, 1, request.seed + i) for i in range(len(choices), n))
+            extra = await _all_settled(
+                self._send(request, 1, request.seed + i) for i in range(len(choices), n)
             )
             for call in extra:
                 calls.append(call)
@@ -690,8 +700,8 @@ class LiveClient:
                 failed.append(i)
         if failed:
             self.stats.parse_retries += len(failed)
-            retried = await asyncio.gather(
-                *(self._send(request, 1, request.seed + i + RETRY_SEED_OFFSET) for i in failed)
+            retried = await _all_settled(
+                self._send(request, 1, request.seed + i + RETRY_SEED_OFFSET) for i in failed
             )
             for i, call in zip(failed, retried):
                 calls.append(call)

@@ -388,14 +388,16 @@ def _build_requests(
                             prompts.RoundOneView(own.score, own.explanation),
                             prompts.RoundOneView(other.score, other.explanation),
                         )  # fmt: skip
-                    elif phase == engine.CANDIDATES:
+                    elif phase == engine.CANDIDATES or (phase == engine.SYNTH and not text.candidates):
+                        # a correction candidate; a synthesis without candidates is single_reviewer's
+                        # one correction call (decisions V2), which writes the correction itself
                         verdicts = [text.round2[i] for i in sorted(text.round2)] or [
                             text.round1[i] for i in sorted(text.round1)
                         ]
                         messages = prompts.candidate_messages(text.task(), stage, text.output, judged, mine,
                                                               [v.explanation for v in verdicts])  # fmt: skip
                     elif phase == engine.SYNTH:
-                        candidates = [text.candidates[i] for i in sorted(text.candidates)] or [text.output]
+                        candidates = [text.candidates[i] for i in sorted(text.candidates)]
                         messages = prompts.synthesis_messages(text.task(), stage, candidates, judged, mine)
                     else:
                         raise MeshHealError(f"live backend: unexpected phase {phase} with calls")
