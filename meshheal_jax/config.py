@@ -1,6 +1,7 @@
 """Protocol parameters (spec/protocol.md) as one frozen dataclass.
 
-Every DECISION of the spec is a named field here, documented in docs/decisions.md.
+Every numeric DECISION of the spec is a named field here; its rule DECISIONs (tie draws, committee
+draws, unreviewed outputs, ...) are fixed behaviour, listed at the top of docs/decisions.md.
 """
 
 from __future__ import annotations
