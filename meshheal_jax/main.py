@@ -4,7 +4,8 @@
 and the five baselines (AgentNet, RAPS, AutoGen with A3 as mandatory manager, SAC, Symphony) on the
 same streams (same seeds, task order and draws: paired) unless --methods picks some. Prints per
 dataset and mean, per method: accuracy H / D, the paired phase change D − H, calls and tokens per
-task in each phase; then detection per degraded agent. Writes report.md in the run folder.
+task in each phase (live: then a line per result where replies failed to parse or needed their
+retry); then detection per degraded agent. Writes report.md in the run folder.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import dataclasses
 
 from meshheal_jax import report, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
-from meshheal_jax.report import NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED, isolates
+from meshheal_jax.report import (
+    NEVER_ISOLATED,
+    NOT_ESTABLISHED,
+    PARSE_FALLBACKS,
+    UNDEFINED,
+    isolates,
+    parse_note,
+    parse_problems,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,7 @@ def print_summary(summary: dict) -> None:
             fmt(r["tokens_per_task_healthy"], 1, 1e-3), fmt(r["tokens_per_task_degraded"], 1, 1e-3),
         )  # fmt: skip
     print_table(table)
+    print_parse_notes(results)
     with_agents = [r for r in results if r.get("agents")]
     if not with_agents:
         return
@@ -120,6 +130,16 @@ def print_summary(summary: dict) -> None:
     if any(not isolates(r) for r in with_agents):
         print(f"Baselines have no detector: their degraded agents are {NEVER_ISOLATED} (detection delay null, "
               f"n_defined 0), closure {NOT_ESTABLISHED}, reintegration {UNDEFINED}.")  # fmt: skip
+
+
+def print_parse_notes(results: list[dict]) -> None:
+    """After the results table, where some live reply failed to parse or needed its retry: one line
+    per such result (nothing on the emulator, which always parses)."""
+    noted = [r for r in results if parse_problems(r)]
+    for r in noted:
+        print(parse_note(r))
+    if noted:
+        print(f"({PARSE_FALLBACKS}; summary.json: parse_failed*, parse_retried*, also per phase.)")
 
 
 def body(cfg: MainConfig) -> None:

@@ -216,12 +216,62 @@ def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
     }
 
 
+# Parse outcomes of the live backend (spec/live.md): the calls table's `parse_status` per sample
+# is "ok", "retried" (the first reply did not parse, the retry with seed + 1,000,003 did) or
+# "failed" (the retry did not parse either: the parser's fallback was recorded). The same values
+# as backends.live.PARSE_OK / PARSE_RETRIED / PARSE_FAILED (not imported: this module reads
+# tables only); the emulator and the reference engine write "ok" for every call.
+PARSE_OK = "ok"
+PARSE_COUNTED = ("failed", "retried")
+# Call kinds grouped by what a failed parse leaves behind (every kind of backends.live.KINDS):
+# inference -> the documented pair of the task type (which is the true pair); review -> the
+# neutral score 0.5 (MeshHeal's review samples and committee rounds, RAPS' watchdog, SAC's
+# evaluations); execution -> a reply without an answer; choice -> no named agent (AgentNet's
+# router, AutoGen's speaker selection: the method's own rule decides).
+PARSE_GROUPS: dict[str, tuple[str, ...]] = {
+    "infer": ("infer",),
+    "review": ("review", "committee1", "committee2", "watchdog", "evaluate"),
+    "execution": ("generate", "candidate", "synthesis", "compose", "refine", "cot"),
+    "choice": ("router", "select"),
+}
+# parse_failed, parse_failed_infer, ..., parse_retried, parse_retried_infer, ...: samples per stream
+PARSE_KEYS = tuple(
+    f"parse_{status}{suffix}" for status in PARSE_COUNTED for suffix in ("", *(f"_{g}" for g in PARSE_GROUPS))
+)
+
+
+def parse_counts(calls: pl.DataFrame, tasks: pl.DataFrame, n_phases: int) -> tuple[dict, list[dict]]:
+    """One stream's replies that failed to parse for good (`parse_failed*`) and that parsed only on
+    their retry (`parse_retried*`), in all and per kind group (PARSE_GROUPS): counts of samples
+    (an n = 3 initial review is three), for the whole stream and per phase (a call's phase is its
+    task's). A status list joined by commas (a baseline call's live trace) counts each entry."""
+    problems = calls.filter(pl.col("parse_status").fill_null(PARSE_OK) != PARSE_OK)
+    problems = problems.join(tasks.select("t", "phase"), on="t", how="left").select(
+        "phase",
+        "kind",
+        *(pl.col("parse_status").str.count_matches(s, literal=True).alias(s) for s in PARSE_COUNTED),
+    )
+
+    def tally(df: pl.DataFrame) -> dict:
+        out = {}
+        for status in PARSE_COUNTED:
+            out[f"parse_{status}"] = int(df[status].sum())
+            for group, kinds in PARSE_GROUPS.items():
+                out[f"parse_{status}_{group}"] = int(df.filter(pl.col("kind").is_in(kinds))[status].sum())
+        return out
+
+    return tally(problems), [tally(problems.filter(pl.col("phase") == k)) for k in range(n_phases)]
+
+
 def stream_metrics(
     tasks: pl.DataFrame, reviews: pl.DataFrame, states: pl.DataFrame,
     schedule: HealthSchedule, phase_names: Sequence[str], per_agent: bool = True,
+    calls: pl.DataFrame | None = None,
 ) -> dict:  # fmt: skip
     """Every per-stream number the summary aggregates over seeds. per_agent=False (large
-    networks) replaces the per-agent outcome list by scale_outcomes' counts."""
+    networks) replaces the per-agent outcome list by scale_outcomes' counts. With `calls` (the
+    stream's calls table) the parse counts (PARSE_KEYS, parse_counts) are added, overall and per
+    phase; without it they are left out (not known)."""
     degraded_rows = any_degraded(schedule)
     tasks = tasks.sort("t")
     tasks = tasks.with_columns(pl.Series("any_degraded", degraded_rows[tasks["t"].to_numpy() - 1]))
@@ -231,11 +281,12 @@ def stream_metrics(
         return float(df[col].cast(pl.Float64).mean()) if df.height else None
 
     acc_h, acc_d = mean(healthy, "correct"), mean(degraded, "correct")
+    parse, parse_phases = parse_counts(calls, tasks, len(phase_names)) if calls is not None else ({}, None)
     phases = []
     for k, name in enumerate(phase_names):
         part = tasks.filter(pl.col("phase") == k)
         phases.append({"name": name, "acc": mean(part, "correct"), "tokens_per_task": mean(part, "tokens"),
-                       "calls_per_task": mean(part, "calls")})  # fmt: skip
+                       "calls_per_task": mean(part, "calls"), **(parse_phases[k] if parse_phases else {})})  # fmt: skip
     to_isolated = states.filter(pl.col("to") == "isolated")
     false_iso = to_isolated.filter(~pl.col("degraded"))
     agents = agent_outcomes(states, schedule) if per_agent else []
@@ -250,6 +301,7 @@ def stream_metrics(
         "tokens_per_task_degraded": mean(degraded, "tokens"),
         "unanswered": int((~tasks["answered"]).sum()),
         "unreviewed_outputs": int(tasks["unreviewed"].sum()),
+        **parse,
         "phases": phases,
         "agents": agents,
         "missed": scale["missed"] if scale else sum(a["detection_delay"] is None for a in agents),
@@ -266,19 +318,23 @@ SCALAR_KEYS = (
     "unanswered", "unreviewed_outputs", "missed", "false_isolations", "false_isolated_agents",
 )  # fmt: skip
 SCALE_KEYS = ("degraded", "isolated_degraded", "detection_delay_mean", "detection_delay_median")
+PHASE_KEYS = ("acc", "tokens_per_task", "calls_per_task")  # + PARSE_KEYS where the calls were given
+
+
+def _present(keys: Sequence[str], entry: dict) -> tuple[str, ...]:
+    """The keys an entry carries (scale and parse counts are there only where they are known)."""
+    return tuple(k for k in keys if k in entry)
 
 
 def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
     """Per-seed metric dicts of one (method, dataset, pair) -> stats over seeds."""
     out: dict = {"seeds": list(seeds)}
-    for key in SCALAR_KEYS + tuple(k for k in SCALE_KEYS if k in per_seed[0]):
-        out[key] = stat([m[key] for m in per_seed])
     first = per_seed[0]
+    for key in SCALAR_KEYS + _present(SCALE_KEYS + PARSE_KEYS, first):
+        out[key] = stat([m[key] for m in per_seed])
     out["phases"] = [
         {"name": ph["name"],
-         "acc": stat([m["phases"][k]["acc"] for m in per_seed]),
-         "tokens_per_task": stat([m["phases"][k]["tokens_per_task"] for m in per_seed]),
-         "calls_per_task": stat([m["phases"][k]["calls_per_task"] for m in per_seed])}
+         **{key: stat([m["phases"][k][key] for m in per_seed]) for key in PHASE_KEYS + _present(PARSE_KEYS, ph)}}
         for k, ph in enumerate(first["phases"])
     ]  # fmt: skip
     out["agents"] = [
@@ -299,7 +355,7 @@ def mean_over_datasets(per_dataset: dict[str, list[dict]], seeds: Sequence[int])
     """The "dataset": "mean" entry: scalars averaged over datasets within each seed."""
     datasets = list(per_dataset)
     out: dict = {"seeds": list(seeds)}
-    for key in SCALAR_KEYS:
+    for key in SCALAR_KEYS + _present(PARSE_KEYS, per_dataset[datasets[0]][0]):
         within_seed = []
         for k in range(len(seeds)):
             within_seed.append(_mean_or_none([per_dataset[d][k][key] for d in datasets]))
@@ -309,7 +365,7 @@ def mean_over_datasets(per_dataset: dict[str, list[dict]], seeds: Sequence[int])
         {"name": ph["name"], **{
             key: stat([_mean_or_none([per_dataset[d][k]["phases"][j][key] for d in datasets])
                        for k in range(len(seeds))])
-            for key in ("acc", "tokens_per_task", "calls_per_task")}}
+            for key in PHASE_KEYS + _present(PARSE_KEYS, ph)}}
         for j, ph in enumerate(first)
     ]  # fmt: skip
     out["agents"] = []  # per-agent outcomes are per dataset

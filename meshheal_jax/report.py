@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import tyro
 
-from meshheal_jax import plots, runner
+from meshheal_jax import metrics, plots, runner
 from meshheal_jax.cli import entrypoint, fmt, fmt_range
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
@@ -263,6 +263,51 @@ def phases_table(summary: dict) -> str:
     return md_table(headers, rows) if rows else ""
 
 
+# Parse failures of the live backend (spec/live.md; metrics.parse_counts)
+PARSE_FALLBACKS = (
+    "a reply that still did not parse after its one retry was recorded with its parser's fallback: "
+    "inference the task type's documented pair, review a neutral 0.5, execution no answer, choice "
+    "no named agent"
+)
+
+
+def parse_problems(r: dict) -> bool:
+    """Whether some stream of the result had a reply that failed to parse or needed the retry."""
+    return any(((r.get(key) or {}).get("max") or 0) > 0 for key in ("parse_failed", "parse_retried"))
+
+
+def _parse_part(r: dict, status: str) -> str:
+    groups = [f"{group} {fmt(r[key], 1)}" for group in metrics.PARSE_GROUPS
+              if ((r.get(key := f"parse_{status}_{group}") or {}).get("max") or 0) > 0]  # fmt: skip
+    return fmt(r.get(f"parse_{status}"), 1) + (f" ({', '.join(groups)})" if groups else "")
+
+
+def parse_note(r: dict) -> str:
+    """One line for a result with parse problems: per stream, mean ± std over seeds, the replies
+    that kept the fallback and those the retry rescued, with the kind groups that had any."""
+    return (f"Parse failures, {r['dataset']} {r['method']} ({r['pair']}), per stream: "
+            f"{_parse_part(r, 'failed')} replies failed their retry too (fallback recorded); "
+            f"{_parse_part(r, 'retried')} parsed on the retry.")  # fmt: skip
+
+
+def parse_table(summary: dict) -> str:
+    """Per result with parse counts: samples that failed for good (in all, per kind group, per
+    phase) and that parsed on the retry, per stream, mean ± std over seeds."""
+    rows = []
+    for r in summary.get("results", []):
+        if "parse_failed" not in r:
+            continue
+        per_phase = " / ".join(
+            f"{ph['name']} {fmt(ph.get('parse_failed'), 1)}" for ph in r.get("phases") or []
+        )
+        rows.append([*_labels(r), fmt(r["parse_failed"], 1),
+                     *(fmt(r.get(f"parse_failed_{group}"), 1) for group in metrics.PARSE_GROUPS),
+                     per_phase, fmt(r.get("parse_retried"), 1)])  # fmt: skip
+    headers = ("method", "dataset", "pair", "failed", *(f"failed: {g}" for g in metrics.PARSE_GROUPS),
+               "failed per phase", "parsed on retry")  # fmt: skip
+    return md_table(headers, rows) if rows else ""
+
+
 # The words every printed table and report.md use where a detector outcome never happened
 # (docs/decisions.md R2)
 NEVER_ISOLATED = "never isolated"
@@ -489,6 +534,18 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
         )
     if any(len(r.get("phases") or []) > 2 for r in summary.get("results", [])):
         sections.append(("Per phase", phases_table(summary)))
+    table = parse_table(summary)
+    if table and (
+        summary.get("backend") == "live" or any(parse_problems(r) for r in summary.get("results", []))
+    ):
+        sections.append(
+            (
+                "Parse failures",
+                "Model replies per stream (samples: an initial review counts three), mean ± std over seeds; "
+                f"{PARSE_FALLBACKS}. Parsed on retry: the first reply did not parse, the retry did.\n\n"
+                + table,
+            )
+        )
     table = agents_table(summary)
     if table:
         sections.append(

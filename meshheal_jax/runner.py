@@ -696,11 +696,16 @@ def _without_isolation(m: dict) -> dict:
 def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
     """One result per (method, dataset, pair), and per (method, pair) the mean over datasets
     (within seed) when there are several datasets. Every result names method, variant, detector,
-    dataset and pair."""
+    dataset and pair. Parse counts (metrics.PARSE_KEYS: 0 on the emulator, which always parses)
+    come from the calls table, and are left out when the run keeps none (`tables`)."""
     schedule = exp.schedule()
     _, phase_names = exp.phases()
     split = {name: frames[name].partition_by("method", "dataset", "pair", "seed", as_dict=True)
              for name in ("tasks", "reviews", "states")}  # fmt: skip
+    with_calls = "calls" in exp.tables
+    # only the calls that did not parse at once: the calls table of a large network is big
+    not_ok = frames["calls"].filter(pl.col("parse_status").fill_null(metrics.PARSE_OK) != metrics.PARSE_OK)
+    split["calls"] = not_ok.partition_by("method", "dataset", "pair", "seed", as_dict=True)
     results = []
     for method in exp.methods:
         head = {"method": method, **exp.labels(method)}
@@ -714,7 +719,8 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
                         return split[name].get(key, frames[name].clear())
 
                     m = metrics.stream_metrics(pick("tasks"), pick("reviews"), pick("states"), schedule, phase_names,
-                                               per_agent=exp.n_agents <= 6)  # fmt: skip
+                                               per_agent=exp.n_agents <= 6,
+                                               calls=pick("calls") if with_calls else None)  # fmt: skip
                     per_seed.append(m if method == "meshheal" else _without_isolation(m))
                 per_dataset[dataset] = per_seed
                 results.append(
