@@ -12,7 +12,13 @@ import pytest
 from meshheal_jax import engine, metrics, reference
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import load_pair
-from meshheal_jax.streams import RECOVERY_PHASES, make_stream, persistent_schedule, recovery_schedule
+from meshheal_jax.streams import (
+    RECOVERY_PHASES,
+    HealthSchedule,
+    make_stream,
+    persistent_schedule,
+    recovery_schedule,
+)
 from meshheal_jax.topology import build_network, load_profile
 
 PROTOCOL = ProtocolParams()
@@ -58,13 +64,17 @@ def first_difference(ref_rows: list[dict], jax_rows: list[dict], table: str) -> 
     return None
 
 
-def assert_equal_to_reference(specs: list[engine.StreamSpec]) -> None:
-    results = engine.run_streams(specs, PROTOCOL, lanes=1)  # one vmapped batch, whatever the cores
+def assert_equal_to_reference(
+    specs: list[engine.StreamSpec], protocol: ProtocolParams = PROTOCOL
+) -> list[dict[str, pl.DataFrame]]:
+    """Every table of every stream equal to the reference's; returns the JAX engine's tables."""
+    results = engine.run_streams(specs, protocol, lanes=1)  # one vmapped batch, whatever the cores
     for spec, tables in zip(specs, results):
-        ref = reference.run_stream(spec.network, PROTOCOL, spec.pair, spec.stream, spec.schedule, spec.labels)
+        ref = reference.run_stream(spec.network, protocol, spec.pair, spec.stream, spec.schedule, spec.labels)
         for table in TABLES:
             problem = first_difference(getattr(ref, table), tables[table], table)
             assert problem is None, f"{spec.labels}: {problem}"
+    return results
 
 
 def test_full_streams_equal_reference_every_dataset():
@@ -74,6 +84,71 @@ def test_full_streams_equal_reference_every_dataset():
 
 def test_recovery_stream_equals_reference():
     assert_equal_to_reference([recovery_spec(0), recovery_spec(1)])
+
+
+PATH_6 = ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5))
+RING_6 = PATH_6 + ((5, 0),)
+
+
+def sparse_spec(edges: tuple, degraded: tuple[int, ...], seed: int, n_tasks: int = 126) -> engine.StreamSpec:
+    """6 math agents on `edges`; degraded[k] is degraded from task 10 + 10k to the end."""
+    profile = load_profile("math")
+    network = build_network(profile, 6, edges=np.array(edges))
+    stream = make_stream(seed, profile.dataset_id, n_tasks, 7, (1,), ("all",))
+    schedule = HealthSchedule(
+        6, n_tasks, tuple((a, 10 + 10 * k, n_tasks + 1) for k, a in enumerate(degraded))
+    )
+    return engine.StreamSpec(network, stream, schedule, PAIR,
+                             {"method": "meshheal", "dataset": "math", "pair": "default", "seed": seed})  # fmt: skip
+
+
+def routing_events(tables: dict[str, pl.DataFrame], protocol: ProtocolParams) -> dict[str, int]:
+    """How often the rarer routing and detector paths occurred, read from the record tables."""
+    tasks, states = tables["tasks"], tables["states"]
+    actions = tasks["actions"].str.split(",")
+    budget = tasks.filter(pl.col("end") == "move budget")
+    # a budget ending before move_limit moves was stopped by route_limit (moves since the last
+    # output); with route_limit > move_limit, every budget ending is move_limit's
+    by_route = budget.filter(pl.col("moves") < protocol.move_limit).height
+    return {
+        "route_limit ended": by_route,
+        "move_limit ended": budget.height if protocol.route_limit > protocol.move_limit else 0,
+        "unreachable ability": int((tasks["end"] == "unreachable ability").sum()),
+        "rawrelay": int(actions.list.contains("rawrelay").sum()),  # tasks entering at an isolated agent
+        "relay": int(actions.list.contains("relay").sum()),  # tasks relayed on by an isolated agent
+        "probe": int(actions.list.contains("probe").sum()),  # tasks with a probe move
+        "probe review": int(tables["reviews"]["probe"].sum()),  # outputs written on a probe visit
+        "isolated": int((states["to"] == "isolated").sum()),
+        "probe return": int((states["reason"] == "probe z<beta").sum()),  # isolated -> watched
+    }
+
+
+@pytest.mark.parametrize(
+    "edges, degraded, seed, protocol, expected",
+    [
+        pytest.param(
+            PATH_6, (0, 1, 5), 0,
+            ProtocolParams(probe_interval=2, warmup_per_six=3, route_limit=2, move_limit=3),
+            ("route_limit ended", "rawrelay", "relay", "probe", "probe review", "isolated", "probe return"),
+            id="path-tight-budget",
+        ),
+        pytest.param(
+            RING_6, (3, 5), 2,
+            ProtocolParams(probe_interval=3, warmup_per_six=5, move_limit=3),
+            ("move_limit ended", "unreachable ability", "rawrelay", "relay", "probe", "probe review", "isolated"),
+            id="ring-short-probe",
+        ),
+    ],
+)  # fmt: skip
+def test_sparse_graphs_and_tight_budgets_equal_reference(edges, degraded, seed, protocol, expected):
+    """Sparse graphs, harsh schedules and tight protocol parameters, where the complete-graph tests
+    rarely go: RawRelay at entry, relays through isolated agents, probes, isolation and its probe
+    return, and tasks ended unanswered by the move budget or an unreachable ability. Every table
+    equals the reference's, and each case's paths really occurred (both cases share one compile:
+    same agents, tasks, move_limit and neighbour-table width)."""
+    tables = assert_equal_to_reference([sparse_spec(edges, degraded, seed)], protocol)[0]
+    events = routing_events(tables, protocol)
+    assert all(events[name] > 0 for name in expected), events
 
 
 def test_vmap_equals_separate_runs_and_is_deterministic():
