@@ -29,8 +29,8 @@ class AblateConfig(CommonFlags):
     """dataset (profile)"""
     tasks: int = 504
     """stream length (multiple of 42); degradation starts at the midpoint"""
-    degraded: tuple[int, ...] = (2, 4)
-    """agents (0-based) degraded from the midpoint"""
+    degraded: tuple[int, ...] | None = None
+    """agents (0-based) degraded from the midpoint; default: the profile's A3 and A5 (agents 2 and 4)"""
 
 
 def combined_out(name: str, out: Path | None) -> Path:
@@ -110,7 +110,7 @@ def per_seed_detection(results: runner.Results, exp: runner.Experiment, pair: st
 def experiment(cfg: AblateConfig, variant: str) -> runner.Experiment:
     return runner.Experiment(
         name="ablate", datasets=(cfg.dataset,), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine=cfg.engine,
-        slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded),
+        slots=cfg.slots, n_tasks=cfg.tasks, degraded=runner.degraded_or_targets(cfg.degraded, (cfg.dataset,), cfg.profiles_dir),
         protocol=dataclasses.replace(cfg.protocol, variant=variant), profiles_dir=cfg.profiles_dir,
         params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip

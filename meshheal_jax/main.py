@@ -33,15 +33,15 @@ class MainConfig(CommonFlags):
     """datasets (profiles) to run"""
     tasks: int = 504
     """stream length (multiple of 42); degradation starts at the midpoint"""
-    degraded: tuple[int, ...] = (2, 4)
-    """agents (0-based) degraded from the midpoint"""
+    degraded: tuple[int, ...] | None = None
+    """agents (0-based) degraded from the midpoint; default: the profile's A3 and A5 (agents 2 and 4)"""
 
 
 def experiment(cfg: MainConfig) -> runner.Experiment:
     return runner.Experiment(
         name="main", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
         methods=tuple(cfg.methods), engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks,
-        degraded=tuple(cfg.degraded), protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
+        degraded=runner.degraded_or_targets(cfg.degraded, cfg.datasets, cfg.profiles_dir), protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
         **backend_fields(cfg),
     )  # fmt: skip
 

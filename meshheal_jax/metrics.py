@@ -125,9 +125,14 @@ def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]
     return out
 
 
+# Review rows with no reviewing call behind them: an SAC team's score of its own answer (its
+# anchor; decisions B4). The audit judges reviews of another agent's output, so they are left out.
+NOT_AUDITED_ACTIONS = ("self_evaluate",)
+
+
 def review_audit(reviews: pl.DataFrame) -> dict:
-    """Review audit on non-probe outputs (probe outputs reported apart)."""
-    r = reviews.filter(~pl.col("probe"))
+    """Review audit on non-probe outputs (probe outputs reported apart), without SAC's self-scores."""
+    r = reviews.filter(~pl.col("probe") & ~pl.col("action").is_in(NOT_AUDITED_ACTIONS))
     healthy = r.filter(~pl.col("author_degraded"))
     degraded = r.filter(pl.col("author_degraded"))
 
@@ -266,10 +271,11 @@ def parse_counts(calls: pl.DataFrame, tasks: pl.DataFrame, n_phases: int) -> tup
 def stream_metrics(
     tasks: pl.DataFrame, reviews: pl.DataFrame, states: pl.DataFrame,
     schedule: HealthSchedule, phase_names: Sequence[str], per_agent: bool = True,
-    calls: pl.DataFrame | None = None,
+    calls: pl.DataFrame | None = None, scale_counts: bool = False,
 ) -> dict:  # fmt: skip
     """Every per-stream number the summary aggregates over seeds. per_agent=False (large
-    networks) replaces the per-agent outcome list by scale_outcomes' counts. With `calls` (the
+    networks) replaces the per-agent outcome list by scale_outcomes' counts; scale=True adds the
+    counts beside the per-agent list (scale_counts: the scale experiment at 6 agents). With `calls` (the
     stream's calls table) the parse counts (PARSE_KEYS, parse_counts) are added, overall and per
     phase; without it they are left out (not known)."""
     degraded_rows = any_degraded(schedule)
@@ -290,7 +296,7 @@ def stream_metrics(
     to_isolated = states.filter(pl.col("to") == "isolated")
     false_iso = to_isolated.filter(~pl.col("degraded"))
     agents = agent_outcomes(states, schedule) if per_agent else []
-    scale = {} if per_agent else scale_outcomes(states, schedule)
+    scale = scale_outcomes(states, schedule) if scale_counts or not per_agent else {}
     return {
         "acc_healthy": acc_h,
         "acc_degraded": acc_d,

@@ -22,6 +22,8 @@ import json
 import shutil
 import subprocess
 import threading
+import warnings
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
+    BLOCK_PER_TYPE,
     RECOVERY_PHASES,
     HealthSchedule,
     make_stream,
@@ -111,6 +114,28 @@ class LiveSettings:
         return LiveOptions(
             max_completion_tokens={k: min(v, cap) for k, v in DEFAULT_MAX_COMPLETION_TOKENS.items()}
         )
+
+
+class PhaseMixWarning(UserWarning):
+    """A stream length whose phases are not whole balanced blocks: the phases' type mixes differ."""
+
+
+def profile_targets(datasets: Sequence[str], profiles_dir: Path | None = None) -> tuple[int, ...]:
+    """The profiles' A3/A5 (`degraded_targets`, 0-based), one pair for every dataset of a run."""
+    targets = {d: load_profile(d, profiles_dir).degraded_targets for d in datasets}
+    if len(set(targets.values())) > 1:
+        raise MeshHealError(
+            f"the profiles name different degraded_targets ({targets}): give --degraded, or run the "
+            "datasets apart"
+        )
+    return targets[datasets[0]]
+
+
+def degraded_or_targets(
+    degraded: Sequence[int] | None, datasets: Sequence[str], profiles_dir: Path | None = None
+) -> tuple[int, ...]:
+    """A 6-agent command's --degraded as given, else its profiles' A3/A5."""
+    return tuple(degraded) if degraded is not None else profile_targets(datasets, profiles_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,16 +237,31 @@ class Experiment:
         for dataset in self.datasets:  # stream length and phases, before anything is written
             n_types = len(load_profile(dataset, self.profiles_dir).task_types)
             make_stream(0, 0, self.n_tasks, n_types, starts, names)
+            # every phase whole balanced blocks: the same type mix in each (spec/experiments.md)
+            block = BLOCK_PER_TYPE * n_types
+            if any((start - 1) % block for start in starts):
+                warnings.warn(
+                    PhaseMixWarning(
+                        f"--tasks {self.n_tasks} splits into {len(starts)} phases starting at tasks "
+                        f"{list(starts)}, not whole blocks of {block} tasks (6 per type): the phases' "
+                        f"task-type mixes differ; a multiple of {block * len(starts)} keeps them equal"
+                    ),
+                    stacklevel=2,
+                )
+
+    def degraded_targets(self) -> tuple[int, ...]:
+        return profile_targets(self.datasets, self.profiles_dir)
 
     def schedule(self) -> HealthSchedule:
         if self.name == "recovery":
             if self.n_agents != 6:
                 raise MeshHealError("the recovery schedule is defined for the 6-agent network")
-            return recovery_schedule(self.n_tasks)
+            a3, a5 = self.degraded if self.degraded is not None else self.degraded_targets()
+            return recovery_schedule(self.n_tasks, a3=a3, a5=a5)
         degraded = self.degraded
         if degraded is None:
-            profile = load_profile(self.datasets[0], self.profiles_dir)
-            degraded = tuple(r * 6 + a for r in range(self.n_agents // 6) for a in profile.degraded_targets)
+            targets = self.degraded_targets()
+            degraded = tuple(r * 6 + a for r in range(self.n_agents // 6) for a in targets)
         return persistent_schedule(self.n_agents, self.n_tasks, tuple(sorted(degraded)))
 
     def network(self, dataset: str) -> Network:
@@ -719,7 +759,7 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
                         return split[name].get(key, frames[name].clear())
 
                     m = metrics.stream_metrics(pick("tasks"), pick("reviews"), pick("states"), schedule, phase_names,
-                                               per_agent=exp.n_agents <= 6,
+                                               per_agent=exp.n_agents <= 6, scale_counts=exp.name == "scale",
                                                calls=pick("calls") if with_calls else None)  # fmt: skip
                     per_seed.append(m if method == "meshheal" else _without_isolation(m))
                 per_dataset[dataset] = per_seed

@@ -89,8 +89,8 @@ class SweepConfig(CommonFlags):
     """datasets (profiles) to run at every grid point"""
     tasks: int = 504
     """stream length (multiple of 42); degradation starts at the midpoint"""
-    degraded: tuple[int, ...] = (2, 4)
-    """agents (0-based) degraded from the midpoint"""
+    degraded: tuple[int, ...] | None = None
+    """agents (0-based) degraded from the midpoint; default: the profile's A3 and A5 (agents 2 and 4)"""
     chunk: int = 512
     """rounds per compiled call (the host gathers records between calls)"""
     out: Path | None = None
@@ -601,7 +601,7 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
                             "run single configurations live with main / recovery / ablate / detectors / scale")  # fmt: skip
     return runner.Experiment(
         name="sweep", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine="jax",
-        slots=cfg.slots, n_tasks=cfg.tasks, degraded=tuple(cfg.degraded), protocol=cfg.protocol,
+        slots=cfg.slots, n_tasks=cfg.tasks, degraded=runner.degraded_or_targets(cfg.degraded, cfg.datasets, cfg.profiles_dir), protocol=cfg.protocol,
         tables=("tasks", "reviews", "states", "calls") if cfg.calls else ("tasks", "reviews", "states"),
         profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
     )  # fmt: skip

@@ -8,10 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import polars as pl
 import pytest
+import tyro
 
 from meshheal_jax import metrics, params, topology
 from meshheal_jax.config import ProtocolParams
@@ -359,6 +361,40 @@ def test_bad_stream_length_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert "multiple of 42" in proc.stderr
     assert not out.exists()
+
+
+def test_phases_of_unequal_type_mix_are_warned():
+    """spec/experiments.md: the two phases have the same type mix. 126 tasks split 63 / 63, not whole
+    blocks of 42: allowed (short runs), with a warning; 504 and 84 are whole blocks."""
+    from meshheal_jax.runner import Experiment, PhaseMixWarning
+
+    with pytest.warns(PhaseMixWarning, match="a multiple of 84 keeps them equal"):
+        Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=126).validate()
+    for n in (84, 504):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PhaseMixWarning)
+            Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=n).validate()
+
+
+def test_degraded_agents_default_to_the_profiles_targets(tmp_path):
+    """main's --degraded defaults to the profile's degraded_targets: here BBH relabelled (A1<->A3,
+    A4<->A5), whose targets are A1 and A4 (agents 0 and 3), not agents 2 and 4."""
+    import re
+
+    from meshheal_jax import main
+
+    swap = {"A1": "A3", "A3": "A1", "A4": "A5", "A5": "A4"}
+    text = re.sub(
+        r"A[1-6]", lambda m: swap.get(m.group(), m.group()), (topology.PROFILE_DIR / "bbh.toml").read_text()
+    )
+    assert 'degraded_targets = ["A1", "A4"]' in text
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    (folder / "bbh.toml").write_text(text)
+    args = ["--datasets", "bbh", "--profiles-dir", str(folder)]
+    assert main.experiment(tyro.cli(main.MainConfig, args=args)).degraded == (0, 3)
+    assert main.experiment(tyro.cli(main.MainConfig, args=[*args, "--degraded", "1"])).degraded == (1,)
+    assert main.experiment(tyro.cli(main.MainConfig, args=["--datasets", "bbh"])).degraded == (2, 4)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -180,7 +180,9 @@ AUDIT_ROWS = [
 
 
 def test_review_audit_ratios():
-    a = metrics.review_audit(metrics.frame("reviews", AUDIT_ROWS))
+    # an SAC self-score (no reviewing call) would change every ratio below: it is left out
+    self_score = review(True, 1.0, 1.0, False, action="self_evaluate")
+    a = metrics.review_audit(metrics.frame("reviews", [*AUDIT_ROWS, self_score]))
     approx = pytest.approx
     assert a["outputs_healthy"] == 5 and a["outputs_degraded"] == 4
     assert a["mean_q0_healthy"] == approx(2.4 / 5)

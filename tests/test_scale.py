@@ -520,6 +520,21 @@ def test_stream_metrics_missed_is_the_same_either_way(six_agent_runs):
             assert large["agents"] == [] and large["degraded"] == len(exp.schedule().intervals)
             for key in ("acc_healthy", "acc_degraded", "false_isolations", "tokens_per_task_healthy"):
                 assert large[key] == full[key], key
+            # the scale experiment at 6 agents: both the per-agent list and the counts its table reads
+            both = metrics.stream_metrics(
+                *frames, exp.schedule(), phase_names, per_agent=True, scale_counts=True
+            )
+            assert both["agents"] == full["agents"]
+            assert {k: both[k] for k in metrics.SCALE_KEYS} == {k: large[k] for k in metrics.SCALE_KEYS}
+
+
+def test_six_agents_print_their_table(tmp_path):
+    """`scale --agents 6` (the 6-agent network as a scaling point) prints its row; its table's
+    counts were missing at 6 agents (KeyError after the run)."""
+    cfg = parse("--agents", "6", "--engine", "reference", "--slots", "1", "--seeds", "1", "--quiet",
+                "--out", str(tmp_path / "six"))  # fmt: skip
+    printed = run_body(cfg)
+    assert "isolated/degraded" in printed and " / 2 " in printed
 
 
 def states_frame(changes: list[tuple[int, int, str, str]], shuffle_seed: int | None = 0) -> pl.DataFrame:
