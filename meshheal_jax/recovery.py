@@ -36,6 +36,7 @@ def experiment(cfg: RecoveryConfig) -> runner.Experiment:
     return runner.Experiment(
         name="recovery", datasets=(cfg.dataset,), pairs=(cfg.pair,), seeds=cfg.seed_tuple(),
         methods=tuple(cfg.methods), engine=cfg.engine, slots=cfg.slots, n_tasks=cfg.tasks, protocol=cfg.protocol,
+        degraded=runner.profile_targets((cfg.dataset,), cfg.profiles_dir),  # (A3, A5) of the profile
         profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir, **backend_fields(cfg),
     )  # fmt: skip
 

@@ -256,7 +256,12 @@ class Experiment:
         if self.name == "recovery":
             if self.n_agents != 6:
                 raise MeshHealError("the recovery schedule is defined for the 6-agent network")
-            a3, a5 = self.degraded if self.degraded is not None else self.degraded_targets()
+            targets = self.degraded if self.degraded is not None else self.degraded_targets()
+            if len(targets) != 2:
+                raise MeshHealError(
+                    f"the recovery schedule degrades two agents (A3, A5), got {list(targets)}"
+                )
+            a3, a5 = targets
             return recovery_schedule(self.n_tasks, a3=a3, a5=a5)
         degraded = self.degraded
         if degraded is None:

@@ -381,7 +381,7 @@ def test_degraded_agents_default_to_the_profiles_targets(tmp_path):
     A4<->A5), whose targets are A1 and A4 (agents 0 and 3), not agents 2 and 4."""
     import re
 
-    from meshheal_jax import main
+    from meshheal_jax import main, recovery
 
     swap = {"A1": "A3", "A3": "A1", "A4": "A5", "A5": "A4"}
     text = re.sub(
@@ -395,6 +395,11 @@ def test_degraded_agents_default_to_the_profiles_targets(tmp_path):
     assert main.experiment(tyro.cli(main.MainConfig, args=args)).degraded == (0, 3)
     assert main.experiment(tyro.cli(main.MainConfig, args=[*args, "--degraded", "1"])).degraded == (1,)
     assert main.experiment(tyro.cli(main.MainConfig, args=["--datasets", "bbh"])).degraded == (2, 4)
+    # recovery: A5 (here agent 3) degraded in phases 2-3, A3 (agent 0) in phases 3-4
+    rec = recovery.experiment(
+        tyro.cli(recovery.RecoveryConfig, args=["--dataset", "bbh", "--profiles-dir", str(folder)])
+    )
+    assert [agent for agent, _, _ in rec.schedule().intervals] == [3, 0]
 
 
 # ----------------------------------------------------------------------------------------------
