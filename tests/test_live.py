@@ -536,6 +536,30 @@ def test_a_failed_fallback_send_leaves_no_sibling_running(tmp_path):
     run(scenario())
 
 
+@pytest.mark.parametrize("max_in_flight", [33, 64, 256])
+def test_no_lane_holds_more_requests_than_its_pool(max_in_flight):
+    """Requests take the least-loaded lane: whatever order requests come back in, a lane never holds
+    more than ceil(M / lanes) (its pool has ceil((M + headroom) / lanes) connections), so no request
+    waits for a connection while another lane has one free."""
+    import random
+
+    from meshheal_jax.backends.live import LANE_CONNECTIONS, ServerStats, _Server
+
+    n_lanes = -(-max_in_flight // LANE_CONNECTIONS)
+    server = _Server(ServerStats("http://x/v1", "strong"), [(None, None)] * n_lanes, asyncio.Semaphore(1))
+    rng = random.Random(0)
+    held: list[int] = []
+    for _ in range(20_000):
+        if len(held) < max_in_flight and (not held or rng.random() < 0.5):
+            held.append(server.take_lane())
+        else:  # a request comes back; lane 0's ten times as often as the others' (uneven durations)
+            weights = [1 + 9 * (lane == 0) for lane in held]
+            lane = held.pop(rng.choices(range(len(held)), weights)[0])
+            server.lane_load[lane] -= 1
+        assert max(server.lane_load) <= -(-max_in_flight // n_lanes)
+        assert sum(server.lane_load) == len(held)
+
+
 def test_request_seeds_are_spaced_by_n():
     seeds = {
         request_seed(s, d, t, c) for s in range(3) for d in range(3) for t in range(20) for c in range(12)

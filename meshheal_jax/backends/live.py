@@ -376,7 +376,10 @@ def _aiohttp_client_class(openai_module) -> Any:
 @dataclasses.dataclass
 class _Server:
     """One base URL: its semaphore and several `openai.AsyncOpenAI` lanes (each with its own HTTP
-    pool of at most ~LANE_CONNECTIONS), taken in turn. The httpx pool walks every pooled
+    pool of at most ~LANE_CONNECTIONS), a request taking the lane with the fewest in flight: with
+    the semaphore at M and n lanes of ceil((M + headroom) / n) connections, no lane then holds more
+    requests than connections, so a request never waits for a connection while another lane has
+    one free (in turn, slow requests could pile up on one lane). The httpx pool walks every pooled
     connection on each request and release, so there one pool of 256+ connections costs ~2x the
     CPU per call of eight pools of 32; with the aiohttp transport the lane size makes no
     measurable difference (16 to 256 alike), and lanes of 32 keep the httpx fallback cheap
@@ -385,16 +388,21 @@ class _Server:
     stats: ServerStats
     lanes: list[tuple[Any, Any]]  # (openai.AsyncOpenAI, its HTTP client)
     semaphore: asyncio.Semaphore
-    turn: int = 0
+    lane_load: list[int] = dataclasses.field(default_factory=list)  # requests in flight per lane
+
+    def __post_init__(self) -> None:
+        self.lane_load = [0] * len(self.lanes)
 
     @property
     def http(self) -> Any:
         return self.lanes[0][1]
 
-    def next_client(self) -> Any:
-        client = self.lanes[self.turn % len(self.lanes)][0]
-        self.turn += 1
-        return client
+    def take_lane(self) -> int:
+        """The lane with the fewest requests in flight (the first of them); `lane_load[k] -= 1` when
+        its request is back."""
+        k = min(range(len(self.lanes)), key=self.lane_load.__getitem__)
+        self.lane_load[k] += 1
+        return k
 
 
 def _retry_after_s(response: Any) -> float | None:
@@ -790,12 +798,13 @@ class LiveClient:
             retry_after = None
             async with server.semaphore:
                 server.stats.in_flight += 1
+                lane = server.take_lane()
                 server.stats.max_in_flight = max(server.stats.max_in_flight, server.stats.in_flight)
                 server.stats.sent += 1
                 self.stats.http_requests += 1
                 started = time.monotonic()
                 try:
-                    reply = await server.next_client().post(
+                    reply = await server.lanes[lane][0].post(
                         "/chat/completions", cast_to=object, body=body, options=self._post_options
                     )
                     payload = _payload(reply, time.monotonic() - started)
@@ -824,6 +833,7 @@ class LiveClient:
                     )
                 finally:
                     server.stats.in_flight -= 1
+                    server.lane_load[lane] -= 1
             if server.stats.base_url not in tried:
                 tried.append(server.stats.base_url)
             if attempt < self.retry.max_retries:
