@@ -702,10 +702,28 @@ def test_put_soon_commits_one_turn_together(tmp_path):
         await asyncio.sleep(0)  # the loop's next turn
         assert cache.commits == 1 and cache.writes == 5
 
+    async def left_behind(cache):
+        cache.put_soon("late", "m", payload)
+        asyncio.get_running_loop().stop()  # the loop stops before its next turn (an abandoned batch)
+        await asyncio.sleep(3600)
+
     with ResponseCache(tmp_path / "c.sqlite") as cache:
         asyncio.run(scenario(cache))
         cache.put_soon("outside", "m", payload)  # no running loop: written at once
         assert cache.commits == 2 and "outside" in cache and len(cache) == 6
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(left_behind(cache))
+        loop.run_forever()  # returns at the stop
+        loop.close()  # never run again: the flush scheduled on it never runs
+        del task
+        assert cache.commits == 2 and cache._pending
+
+        async def next_batch(cache):
+            cache.put_soon("next", "m", payload)
+            await asyncio.sleep(0)
+
+        asyncio.run(next_batch(cache))  # a new loop schedules its own flush, which takes both
+        assert cache.commits == 3 and cache.writes == 8 and len(cache) == 8
 
 
 def test_a_failed_grouped_write_is_raised_not_logged(tmp_path):

@@ -99,6 +99,7 @@ class ResponseCache:
         self._secrets = [s for s in extra_secrets if len(s) >= _MIN_SECRET_LENGTH]
         self._pending: dict[str, tuple] = {}  # put_soon's rows, key -> row, until the next flush
         self._failed: MeshHealError | None = None  # a write of _flush_soon's, raised at the next call
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is scheduled
         self.hits = 0
         self.misses = 0
         self.writes = 0  # rows written
@@ -131,14 +132,15 @@ class ResponseCache:
         except RuntimeError:
             self.put(key, model_id, payload)
             return
-        if not self._pending:
+        if self._flush_loop is not loop:  # none scheduled on this loop yet (an ended loop runs none)
             loop.call_soon(self._flush_soon)
+            self._flush_loop = loop
         self._pending[key] = self._row(key, model_id, payload)
 
     def flush(self) -> None:
         """Commit the replies `put_soon` holds; raise a write that failed since the last flush."""
         self._raise_failed()
-        rows, self._pending = list(self._pending.values()), {}
+        rows, self._pending, self._flush_loop = list(self._pending.values()), {}, None
         if rows:
             self._write(rows)
 
