@@ -56,12 +56,27 @@ class CommonFlags:
     """live: the weak server's real model id (default: read from its /v1/models)"""
     live_config: Path | None = None
     """live: a TOML file with any of strong_url, weak_url (lists), strong_model, weak_model (real model ids),
-    strong_served_name, weak_served_name, max_in_flight, max_tokens, data; flags given on the command line win"""
+    strong_served_name, weak_served_name, max_in_flight, max_tokens, data, reasoning_effort and the tables
+    hub_id, hub_split, hub_config, hub_revision (dataset = value); flags given on the command line win"""
     data: str | None = None
     """live: the questions: hub (Hugging Face, the default), sample (the packaged sample) or a folder of
     local benchmark files"""
     max_tokens: int | None = None
     """live: cap on every call's max_completion_tokens"""
+    reasoning_effort: str | None = None
+    """live: the reasoning_effort sent to gpt-oss models (no other model gets one): low | medium | high;
+    medium when not given"""
+    hub_id: tuple[str, ...] = ()
+    """live, --data hub: a dataset's Hugging Face id, DATASET=ID (one or more), e.g. math=HuggingFaceH4/MATH-500;
+    default bbh=lukaemon/bbh math=EleutherAI/hendrycks_math mmlu_pro=TIGER-Lab/MMLU-Pro"""
+    hub_split: tuple[str, ...] = ()
+    """live, --data hub: a dataset's split, DATASET=SPLIT (one or more); default test"""
+    hub_config: tuple[str, ...] = ()
+    """live, --data hub: a dataset's hub config, read as one table, DATASET=CONFIG (one or more; not bbh);
+    default none (every BBH task and each MATH subject of EleutherAI/hendrycks_math is its own config)"""
+    hub_revision: tuple[str, ...] = ()
+    """live, --data hub: a dataset's revision (branch, tag or commit), DATASET=REVISION (one or more);
+    default the hub's main branch"""
 
     def seed_tuple(self) -> tuple[int, ...]:
         if self.seed_list is not None:
@@ -72,13 +87,47 @@ class CommonFlags:
 
 
 LIVE_KEYS = ("strong_url", "weak_url", "strong_model", "weak_model", "strong_served_name", "weak_served_name",
-             "max_in_flight", "max_tokens", "data")  # fmt: skip
+             "max_in_flight", "max_tokens", "data", "reasoning_effort", "hub_id", "hub_split", "hub_config",
+             "hub_revision")  # fmt: skip
+# the --hub-* keys: the runner.HubSource field each sets and the placeholder its messages show
+HUB_KEYS = {"hub_id": ("hub_id", "ID"), "hub_split": ("split", "SPLIT"), "hub_config": ("config", "CONFIG"),
+            "hub_revision": ("revision", "REVISION")}  # fmt: skip
+
+
+def per_dataset(value, source: str, placeholder: str) -> dict[str, str]:
+    """{dataset: value} of a --hub-* setting: DATASET=VALUE strings (the flags, or a list of them in
+    --live-config) or a TOML table {dataset = value}; `source` names the flag or key in messages."""
+    from meshheal_jax.data import DATASETS
+
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        texts = (value,) if isinstance(value, str) else value
+        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+            raise MeshHealError(f"{source} takes DATASET={placeholder} (one or more), got {value!r}")
+        items = []
+        for text in texts:
+            dataset, sep, given = text.partition("=")
+            if not sep:
+                raise MeshHealError(f"{source} takes DATASET={placeholder}, e.g. math=..., got {text!r}")
+            items.append((dataset.strip(), given))
+    out: dict[str, str] = {}
+    for dataset, given in items:
+        if dataset not in DATASETS:
+            raise MeshHealError(f"{source}: unknown dataset {dataset!r}; known: {', '.join(DATASETS)}")
+        if not isinstance(given, str) or not given.strip():
+            raise MeshHealError(f"{source}: {dataset}'s {placeholder} must be non-empty text, got {given!r}")
+        if dataset in out:
+            raise MeshHealError(f"{source} names {dataset} twice")
+        out[dataset] = given.strip()
+    return out
 
 
 def live_settings(flags: CommonFlags):
     """The runner's LiveSettings from --live-config and the live flags (flags win); None when no
     live setting is given at all (the runner then says what --backend live needs)."""
-    from meshheal_jax.runner import LiveSettings
+    from meshheal_jax.data import DATASETS
+    from meshheal_jax.runner import DEFAULT_REASONING_EFFORT, HubSource, LiveSettings
 
     doc: dict = {}
     if flags.live_config is not None:
@@ -95,9 +144,18 @@ def live_settings(flags: CommonFlags):
             )
     for key, value in (("strong_url", flags.strong_url), ("weak_url", flags.weak_url), ("data", flags.data),
                        ("max_tokens", flags.max_tokens), ("strong_model", flags.strong_model),
-                       ("weak_model", flags.weak_model)):  # fmt: skip
-        if value or (key == "max_tokens" and value is not None):  # --max-tokens 0 reaches the >= 1 check
+                       ("weak_model", flags.weak_model), ("reasoning_effort", flags.reasoning_effort)):  # fmt: skip
+        if value or (key in ("max_tokens", "reasoning_effort") and value is not None):  # reach the checks
             doc[key] = value
+    for key, (_, placeholder) in HUB_KEYS.items():  # per dataset: a flag's dataset wins over the file's
+        merged = {}
+        if key in doc:
+            merged = per_dataset(doc[key], f"--live-config {flags.live_config}: {key}", placeholder)
+        if getattr(flags, key):
+            merged |= per_dataset(getattr(flags, key), "--" + key.replace("_", "-"), placeholder)
+        doc.pop(key, None)
+        if merged:
+            doc[key] = merged
     if not doc:
         return None
     source = f"--live-config {flags.live_config}" if flags.live_config is not None else "live settings"
@@ -105,7 +163,8 @@ def live_settings(flags: CommonFlags):
         value = doc.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise MeshHealError(f"{source}: {key} must be an integer, got {value!r}")
-    for key in ("strong_model", "weak_model", "strong_served_name", "weak_served_name", "data"):
+    for key in ("strong_model", "weak_model", "strong_served_name", "weak_served_name", "data",
+                "reasoning_effort"):  # fmt: skip
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise MeshHealError(f"{source}: {key} must be a string, got {doc[key]!r}")
 
@@ -119,8 +178,11 @@ def live_settings(flags: CommonFlags):
     return LiveSettings(
         strong_urls=urls("strong_url"), weak_urls=urls("weak_url"), strong_model=doc.get("strong_model"),
         weak_model=doc.get("weak_model"), strong_served_name=doc.get("strong_served_name"),
-        weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 128)),
+        weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 256)),
         max_tokens=doc.get("max_tokens"), data=str(doc.get("data", "hub")),
+        reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT),
+        hub=tuple(HubSource(dataset, **{field: doc.get(key, {}).get(dataset) for key, (field, _) in HUB_KEYS.items()})
+                  for dataset in DATASETS if any(dataset in doc.get(key, {}) for key in HUB_KEYS)),
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from rich.progress import Progress
 
 from meshheal_jax import graphs, metrics, reference
 from meshheal_jax.config import ProtocolParams
+from meshheal_jax.data import DATASETS, DEFAULT_HUB_IDS, DEFAULT_SPLITS
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
@@ -52,6 +53,28 @@ NO_DETECTOR = "none"  # the `detector` of a summary entry for a method without o
 
 Stream = tuple[str, str, str, int]  # (method, dataset, pair, seed)
 DATA_SOURCES = ("hub", "sample")  # live questions: the Hugging Face hub, the packaged sample, or a folder
+REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's levels, spelt as the OpenAI API spells them
+DEFAULT_REASONING_EFFORT = "medium"  # spec/live.md (== backends.live.DEFAULT_REASONING_EFFORT, tested)
+
+
+@dataclasses.dataclass(frozen=True)
+class HubSource:
+    """Where `--data hub` reads one dataset: data.load_hub's hub_id, split, config and revision
+    (None: load_hub's default; `resolved` fills in the id and split it would use)."""
+
+    dataset: str  # bbh | math | mmlu_pro
+    hub_id: str | None = None  # default data.DEFAULT_HUB_IDS
+    split: str | None = None  # default data.DEFAULT_SPLITS
+    config: str | None = None  # None: no config, or one per task type (BBH, EleutherAI/hendrycks_math)
+    revision: str | None = None  # None: the hub's main branch
+
+    def resolved(self) -> HubSource:
+        return dataclasses.replace(self, hub_id=self.hub_id or DEFAULT_HUB_IDS.get(self.dataset),
+                                   split=self.split or DEFAULT_SPLITS.get(self.dataset))  # fmt: skip
+
+    def fields(self) -> dict:
+        """What config.json records of it, under live.hub.<dataset>."""
+        return {"hub_id": self.hub_id, "split": self.split, "config": self.config, "revision": self.revision}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +90,16 @@ class LiveSettings:
     weak_model: str | None = None
     strong_served_name: str | None = None  # the name the server serves the model under; None: the role
     weak_served_name: str | None = None  # (serving/vllm_pair.sh serves them as "strong" and "weak")
-    max_in_flight: int = 128  # per server
+    max_in_flight: int = 256  # per server (serving/vllm_pair.sh's --max-num-seqs)
     max_tokens: int | None = None  # cap on every call's max_completion_tokens (None: live_loop defaults)
     data: str = "hub"  # questions: hub | sample | a folder of local benchmark files
+    reasoning_effort: str = DEFAULT_REASONING_EFFORT  # sent to gpt-oss models only (spec/live.md)
+    hub: tuple[HubSource, ...] = ()  # --data hub: the datasets not read from load_hub's defaults
+
+    def __post_init__(self) -> None:
+        hub = self.hub  # config.json's form too: {dataset: {hub_id, split, config, revision}}
+        items = [HubSource(d, **fields) for d, fields in hub.items()] if isinstance(hub, Mapping) else hub
+        object.__setattr__(self, "hub", tuple(HubSource(**h) if isinstance(h, Mapping) else h for h in items))
 
     def validate(self) -> None:
         for role, urls in (("strong", self.strong_urls), ("weak", self.weak_urls)):
@@ -83,6 +113,31 @@ class LiveSettings:
         if self.data not in DATA_SOURCES and not Path(self.data).expanduser().exists():
             raise MeshHealError(f"live: --data must be hub, sample or an existing folder of benchmark files; "
                                 f"{self.data!r} does not exist")  # fmt: skip
+        if self.reasoning_effort not in REASONING_EFFORTS:
+            raise MeshHealError(f"live: --reasoning-effort (reasoning_effort) must be one of "
+                                f"{', '.join(REASONING_EFFORTS)}, got {self.reasoning_effort!r}")  # fmt: skip
+        if self.hub and self.data != "hub":
+            raise MeshHealError(f"live: --hub-id, --hub-split, --hub-config and --hub-revision apply to --data hub, "
+                                f"not --data {self.data}")  # fmt: skip
+        datasets = [source.dataset for source in self.hub]
+        for source in self.hub:
+            if source.dataset not in DATASETS:
+                raise MeshHealError(f"live: --hub-*: unknown dataset {source.dataset!r}; "
+                                    f"known: {', '.join(DATASETS)}")  # fmt: skip
+            if datasets.count(source.dataset) > 1:
+                raise MeshHealError(f"live: the hub settings name {source.dataset} twice")
+            if source.dataset == "bbh" and source.config is not None:
+                raise MeshHealError(f"live: --hub-config bbh={source.config}: BBH is read one config per task "
+                                    "type (as lukaemon/bbh keeps it); give no config for bbh")  # fmt: skip
+
+    def hub_source(self, dataset: str) -> HubSource:
+        """Where `--data hub` reads `dataset`: the settings given for it, else load_hub's defaults."""
+        given = next((source for source in self.hub if source.dataset == dataset), HubSource(dataset))
+        return given.resolved()
+
+    def hub_record(self, datasets: Sequence[str]) -> dict:
+        """config.json's live.hub: where each dataset of the run is read from the hub (none unless --data hub)."""
+        return {d: self.hub_source(d).fields() for d in datasets} if self.data == "hub" else {}
 
     def questions(self, dataset: str, profiles_dir: Path | None):
         """The benchmark records the live streams ask (data.load_hub / load_sample / load_local)."""
@@ -90,7 +145,9 @@ class LiveSettings:
 
         profile = load_profile(dataset, profiles_dir)
         if self.data == "hub":
-            return data.load_hub(dataset, profile=profile)
+            source = self.hub_source(dataset)
+            return data.load_hub(dataset, hub_id=source.hub_id, split=source.split, profile=profile,
+                                 config=source.config, revision=source.revision)  # fmt: skip
         if self.data == "sample":
             return data.load_sample(dataset, profile)
         return data.load_local(dataset, self.data, profile)
@@ -101,9 +158,9 @@ class LiveSettings:
 
         return LiveConfig(
             servers=(ServerGroup("strong", self.strong_urls, self.strong_model, self.strong_served_name,
-                                 max_in_flight=self.max_in_flight),
+                           max_in_flight=self.max_in_flight, gpt_oss_effort=self.reasoning_effort),
                      ServerGroup("weak", self.weak_urls, self.weak_model, self.weak_served_name,
-                                 max_in_flight=self.max_in_flight)),
+                           max_in_flight=self.max_in_flight, gpt_oss_effort=self.reasoning_effort)),
             cache_path=cache_path,
         )  # fmt: skip
 
@@ -308,6 +365,8 @@ class Experiment:
         out["protocol"] = dataclasses.asdict(self.protocol)
         for key in ("profiles_dir", "params_dir", "edges_file"):
             out[key] = None if out[key] is None else str(out[key])
+        if self.live is not None:  # the hub sources of this run's datasets, defaults filled in
+            out["live"]["hub"] = self.live.hub_record(self.datasets)
         return out
 
 
@@ -436,12 +495,17 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
 
 
 def comparable(experiment: dict | None) -> dict | None:
-    """A run configuration without what does not change results (the live servers' URLs)."""
+    """A run configuration without what does not change results (the live servers' URLs). A live
+    folder written before reasoning_effort and the hub sources were recorded ran with the defaults."""
     if not experiment or not experiment.get("live"):
         return experiment
     live = {
         k: v for k, v in experiment["live"].items() if k not in ("strong_urls", "weak_urls", "max_in_flight")
     }
+    live.setdefault("reasoning_effort", DEFAULT_REASONING_EFFORT)
+    if "hub" not in live:
+        defaults = LiveSettings((), (), data=live.get("data", "hub"))
+        live["hub"] = defaults.hub_record(experiment.get("datasets", ()))
     return {**experiment, "live": live}
 
 

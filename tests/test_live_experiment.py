@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 
 import polars as pl
 import pytest
@@ -17,7 +18,8 @@ pytest.importorskip("pydantic")
 
 from test_live_loop import RECORDS, bbh_spec, config, stand_ins  # the scripted stand-in servers
 
-from meshheal_jax import main, recovery, runner
+from meshheal_jax import data, main, recovery, report, runner
+from meshheal_jax.backends import live
 from meshheal_jax.backends.live_loop import run_live_streams
 from meshheal_jax.cli import live_settings
 from meshheal_jax.config import ProtocolParams
@@ -34,10 +36,11 @@ def flags(strong: str, weak: str, out, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def live_main(tmp_path_factory):
-    """`python -m meshheal_jax.main --backend live ...` (2 seeds of 42 BBH tasks), run in-process."""
+    """`python -m meshheal_jax.main --backend live ... --reasoning-effort high` (2 seeds of 42 BBH
+    tasks), run in-process."""
     pair = stand_ins()
     out = tmp_path_factory.mktemp("live-main") / "run"
-    argv = flags(pair[0].url, pair[1].url, out)
+    argv = flags(pair[0].url, pair[1].url, out, "--reasoning-effort", "high")
     try:
         main.body(tyro.cli(main.MainConfig, args=argv))
         yield out, pair, argv, sum(len(s.chats) for s in pair)
@@ -172,3 +175,192 @@ def test_single_reviewer_writes_its_correction_itself(tmp_path):
     assert corrections > 0 and frames["calls"].filter(pl.col("kind") == "candidate").height == 0
     assert sum("Write a corrected version" in text for text in prompts_sent) == corrections
     assert not any("Two reviewers each wrote" in text for text in prompts_sent)
+
+
+# ----------------------------------------------------------------------------------------------
+# --reasoning-effort and the --hub-* flags (spec/live.md "Requests", "Datasets")
+# ----------------------------------------------------------------------------------------------
+
+
+def test_reasoning_effort_goes_to_the_gpt_oss_server_only_and_is_recorded(live_main):
+    out, pair, _, _ = live_main
+    strong, weak = pair  # gpt-oss-120b behind the strong stand-in, Llama-3.2-1B behind the weak one
+    assert strong.chats and {chat.get("reasoning_effort") for chat in strong.chats} == {"high"}
+    assert weak.chats and not any("reasoning_effort" in chat for chat in weak.chats)
+    recorded = json.loads((out / "config.json").read_text())["experiment"]["live"]
+    assert recorded["reasoning_effort"] == "high"
+    assert recorded["hub"] == {}  # --data sample: nothing is read from the hub
+
+
+def test_resume_with_another_reasoning_effort_is_refused(live_main):
+    out, pair, argv, sent = live_main
+    config_before = (out / "config.json").read_text()
+    for other in (["--reasoning-effort", "low"], []):  # [] = the default, medium
+        changed = [*argv[: argv.index("--reasoning-effort")], *other]
+        with pytest.raises(MeshHealError, match=r"different configuration \(live\.reasoning_effort differ\)"):
+            main.body(tyro.cli(main.MainConfig, args=changed))
+    assert sum(len(s.chats) for s in pair) == sent and (out / "config.json").read_text() == config_before
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high"])
+def test_server_groups_send_the_effort_to_gpt_oss_models_only(effort):
+    settings = runner.LiveSettings(("http://a/v1",), ("http://b/v1",), reasoning_effort=effort)
+    for group in settings.config(None).servers:
+        assert group.effort_for("openai/gpt-oss-120b") == group.effort_for("OpenAI/GPT-OSS-20B") == effort
+        assert group.effort_for("meta-llama/Llama-3.2-1B-Instruct") is None
+        assert group.effort_for("google/gemma-3-4b-it") is None
+    # the default sends what ServerGroup's own default ("auto") sends: cached replies keep their keys
+    assert runner.DEFAULT_REASONING_EFFORT == live.DEFAULT_REASONING_EFFORT == "medium"
+    default = runner.LiveSettings(("http://a/v1",), ("http://b/v1",)).config(None).servers[0]
+    auto = live.ServerGroup("strong", ("http://a/v1",))
+    for model in ("openai/gpt-oss-120b", "meta-llama/Llama-3.2-1B-Instruct"):
+        assert default.effort_for(model) == auto.effort_for(model)
+
+
+HUB_ARGS = [*LIVE_AB, "--methods", "meshheal"]
+
+
+def hub_experiment(*args: str, command=main) -> runner.Experiment:
+    config_type = main.MainConfig if command is main else recovery.RecoveryConfig
+    tasks = ["--tasks", "84"] if command is main else []  # recovery: its default length
+    exp = command.experiment(tyro.cli(config_type, args=[*HUB_ARGS, *tasks, *args]))
+    exp.validate()
+    return exp
+
+
+def test_hub_flags_reach_load_hub_and_the_datasets_loader(monkeypatch):
+    """--hub-id / --hub-split / --hub-config / --hub-revision, per dataset, become load_hub's
+    arguments and then `datasets.load_dataset`'s (a stub here: no hub offline); a dataset not named
+    keeps load_hub's defaults."""
+    loaded = []
+
+    def load_dataset(hub_id, config=None, split=None, **kwargs):
+        loaded.append((hub_id, config, split, kwargs))
+        folder = data.SAMPLE_DIR / ("math" if "MATH" in hub_id else "mmlu_pro")
+        name = "math500_sample.jsonl" if "MATH" in hub_id else "mmlu_pro_test_sample.jsonl"
+        return [json.loads(line) for line in (folder / name).open()]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    exp = hub_experiment("--datasets", "math", "mmlu_pro", "--hub-id", "math=HuggingFaceH4/MATH-500",
+                         "--hub-split", "mmlu_pro=validation", "--hub-revision", "math=abc123",
+                         "mmlu_pro=refs/convert/parquet", "--hub-config", "math=default")  # fmt: skip
+    for dataset in exp.datasets:
+        assert exp.live.questions(dataset, None)  # the sample's rows, mapped and kept
+    assert loaded == [("HuggingFaceH4/MATH-500", "default", "test", {"revision": "abc123"}),
+                      ("TIGER-Lab/MMLU-Pro", None, "validation", {"revision": "refs/convert/parquet"})]  # fmt: skip
+
+    calls = []
+    monkeypatch.setattr(data, "load_hub", lambda dataset, **kwargs: calls.append((dataset, kwargs)) or [])
+    exp = hub_experiment("--datasets", "bbh", "math", "mmlu_pro", "--hub-id", "mmlu_pro=me/mmlu-pro-mirror")
+    for dataset in exp.datasets:
+        exp.live.questions(dataset, None)
+    expected = {"bbh": ("lukaemon/bbh", "test"), "math": ("EleutherAI/hendrycks_math", "test"),
+                "mmlu_pro": ("me/mmlu-pro-mirror", "test")}  # fmt: skip
+    for dataset, kwargs in calls:
+        assert (kwargs["hub_id"], kwargs["split"]) == expected[dataset]
+        assert kwargs["config"] is None and kwargs["revision"] is None
+    assert {dataset: data.DEFAULT_HUB_IDS[dataset] for dataset in ("bbh", "math")} == {
+        dataset: expected[dataset][0] for dataset in ("bbh", "math")
+    }  # the defaults are load_hub's own
+    # every experiment with --data takes them (CommonFlags): recovery, too
+    exp = hub_experiment("--dataset", "math", "--hub-id", "math=HuggingFaceH4/MATH-500", command=recovery)
+    assert exp.live.hub_source("math").hub_id == "HuggingFaceH4/MATH-500"
+
+
+def test_hub_sources_are_recorded_and_a_resume_with_others_is_refused(tmp_path):
+    out = tmp_path / "run"
+    exp = hub_experiment("--datasets", "math", "mmlu_pro", "--hub-id", "math=HuggingFaceH4/MATH-500",
+                         "--hub-revision", "math=abc123")  # fmt: skip
+    runner.prepare_run_dir(exp, out)
+    recorded = json.loads((out / "config.json").read_text())["experiment"]["live"]
+    assert recorded["hub"] == {
+        "math": {"hub_id": "HuggingFaceH4/MATH-500", "split": "test", "config": None, "revision": "abc123"},
+        "mmlu_pro": {"hub_id": "TIGER-Lab/MMLU-Pro", "split": "test", "config": None, "revision": None},
+    }  # the defaults are recorded too: what the run read
+    assert recorded["reasoning_effort"] == "medium"
+    # config.json's form reads back (report.py rebuilds the experiment from it)
+    back = report.experiment_from_config(json.loads((out / "config.json").read_text())["experiment"])
+    assert json.loads(json.dumps(back.to_json())) == json.loads(json.dumps(exp.to_json()))
+    same = hub_experiment("--datasets", "math", "mmlu_pro", "--hub-id", "math=HuggingFaceH4/MATH-500",
+                          "mmlu_pro=TIGER-Lab/MMLU-Pro", "--hub-revision", "math=abc123",
+                          "--hub-split", "mmlu_pro=test")  # the defaults, named: the same run  # fmt: skip
+    assert runner.prepare_run_dir(same, out) == out
+    for args, changed in (
+        (("--hub-id", "math=EleutherAI/hendrycks_math", "--hub-revision", "math=abc123"), "live.hub.math.hub_id"),
+        (("--hub-id", "math=HuggingFaceH4/MATH-500"), "live.hub.math.revision"),
+        (("--hub-id", "math=HuggingFaceH4/MATH-500", "--hub-revision", "math=abc123",
+          "--hub-split", "mmlu_pro=validation"), "live.hub.mmlu_pro.split"),
+        (("--hub-id", "math=HuggingFaceH4/MATH-500", "--hub-revision", "math=abc123",
+          "--reasoning-effort", "high"), "live.reasoning_effort"),
+    ):  # fmt: skip
+        with pytest.raises(MeshHealError, match=rf"different configuration \({changed} differ\)"):
+            runner.prepare_run_dir(hub_experiment("--datasets", "math", "mmlu_pro", *args), out)
+
+
+def test_a_live_folder_from_before_the_effort_and_hub_were_recorded_resumes(tmp_path):
+    """Such a folder ran with the defaults (medium, load_hub's ids): the same run, resumable."""
+    out = tmp_path / "run"
+    exp = hub_experiment("--datasets", "math")
+    runner.prepare_run_dir(exp, out)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("hub", "reasoning_effort"):
+        del config["experiment"]["live"][key]
+    (out / "config.json").write_text(json.dumps(config))
+    assert runner.prepare_run_dir(exp, out) == out
+    with pytest.raises(MeshHealError, match=r"live\.hub\.math\.hub_id differ"):
+        runner.prepare_run_dir(hub_experiment("--datasets", "math", "--hub-id", "math=x/y"), out)
+
+
+def test_live_config_file_keys_and_flags_merge_per_dataset(tmp_path):
+    path = tmp_path / "live.toml"
+    path.write_text('strong_url = "http://a/v1"\nweak_url = "http://b/v1"\nreasoning_effort = "low"\n'
+                    'hub_split = ["math=train"]\n[hub_id]\nmath = "HuggingFaceH4/MATH-500"\n'
+                    'mmlu_pro = "me/mmlu-pro-mirror"\n')  # fmt: skip
+    settings = live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path)]))
+    assert settings.reasoning_effort == "low"
+    assert settings.hub_source("math") == runner.HubSource("math", "HuggingFaceH4/MATH-500", "train")
+    assert settings.hub_source("mmlu_pro").hub_id == "me/mmlu-pro-mirror"
+    settings = live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path), "--reasoning-effort",
+                                                             "high", "--hub-id", "math=EleutherAI/hendrycks_math"]))  # fmt: skip
+    assert settings.reasoning_effort == "high"  # the flag wins
+    assert settings.hub_source("math") == runner.HubSource("math", "EleutherAI/hendrycks_math", "train")
+    assert settings.hub_source("mmlu_pro").hub_id == "me/mmlu-pro-mirror"  # the file's other dataset stays
+
+
+BAD_LIVE_VALUES = {
+    "effort": (
+        ["--reasoning-effort", "extreme"],
+        "--reasoning-effort (reasoning_effort) must be one of low, medium, high, got 'extreme'",
+    ),
+    "effort case": (["--reasoning-effort", "HIGH"], "--reasoning-effort (reasoning_effort) must be one of"),
+    "hub id without dataset": (["--hub-id", "HuggingFaceH4/MATH-500"], "--hub-id takes DATASET=ID"),
+    "hub split of no dataset": (["--hub-split", "nosuch=test"], "--hub-split: unknown dataset 'nosuch'"),
+    "empty revision": (["--hub-revision", "math="], "--hub-revision: math's REVISION must be non-empty"),
+    "one dataset twice": (["--hub-id", "math=a/b", "math=c/d"], "--hub-id names math twice"),
+    "bbh config": (["--datasets", "bbh", "--hub-config", "bbh=navigate"], "--hub-config bbh=navigate"),
+    "hub flags without hub data": (["--data", "sample", "--hub-id", "math=a/b"], "apply to --data hub"),
+    "file effort": (['reasoning_effort = "max"'], "--reasoning-effort (reasoning_effort) must be one of"),
+    "file effort type": (["reasoning_effort = 3"], "reasoning_effort must be a string, got 3"),
+    "file hub dataset": (['hub_id = {mat = "a/b"}'], "hub_id: unknown dataset 'mat'"),
+    "file hub value": (["[hub_revision]\nmath = 3"], "hub_revision: math's REVISION must be non-empty text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LIVE_VALUES))
+def test_bad_effort_and_hub_values_exit_2_with_one_line(case, tmp_path, capsys, monkeypatch):
+    args, fragment = BAD_LIVE_VALUES[case]
+    if case.startswith("file"):
+        path = tmp_path / "live.toml"
+        path.write_text("\n".join(args) + "\n")
+        args = ["--live-config", str(path)]
+        fragment = f"--live-config {path}: {fragment}" if "must be one of" not in fragment else fragment
+    out = tmp_path / "out"
+    datasets = [] if "--datasets" in args else ["--datasets", "math"]
+    argv = [*HUB_ARGS, "--tasks", "84", *datasets, *args, "--quiet", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["meshheal_jax.main", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main.cli()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+    assert not out.exists()

@@ -207,8 +207,9 @@ class ServerGroup:
     base_urls: tuple[str, ...]
     model_id: str | None = None  # real model id (cache key); None: read from /v1/models ("root")
     served_name: str | None = None  # --served-model-name; None: the role
-    max_in_flight: int = 128  # per server (near its --max-num-seqs)
-    reasoning_effort: str | None = "auto"  # "auto": DEFAULT_REASONING_EFFORT for gpt-oss, else none
+    max_in_flight: int = 256  # per server (serving/vllm_pair.sh's --max-num-seqs)
+    reasoning_effort: str | None = "auto"  # "auto": gpt_oss_effort for gpt-oss models, none for others
+    gpt_oss_effort: str = DEFAULT_REASONING_EFFORT  # what "auto" sends to a gpt-oss model
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -224,7 +225,7 @@ class ServerGroup:
 
     def effort_for(self, model_id: str) -> str | None:
         if self.reasoning_effort == "auto":
-            return DEFAULT_REASONING_EFFORT if "gpt-oss" in model_id.lower() else None
+            return self.gpt_oss_effort if "gpt-oss" in model_id.lower() else None
         return self.reasoning_effort
 
 
