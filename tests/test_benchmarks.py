@@ -58,3 +58,19 @@ def test_pool_sort_reports_equal_values():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| 3 x 42", "| 7 x 42"))]
     assert len(rows) == 2 and all(row.rstrip(" |").endswith("True") for row in rows)
+
+
+def test_cache_cost_reports_its_parts():
+    """benchmarks/cache_cost.py --parts-only: every part of the response cache's cost is timed."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_cost.py"), "--parts-only"],
+                          capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    timed = dict(line.rsplit(": ", 1) for line in done.stdout.strip().splitlines())
+    assert set(timed) == {
+        "key",
+        "get (miss)",
+        "row JSON + redaction",
+        "put (own commit)",
+        "insert in one transaction",
+    }
+    assert all(value.endswith(" µs") and float(value.split()[0]) > 0 for value in timed.values())
