@@ -1,7 +1,8 @@
 """Protocol parameters (spec/protocol.md) as one frozen dataclass.
 
-Every numeric DECISION of the spec is a named field here; its rule DECISIONs (tie draws, committee
-draws, unreviewed outputs, ...) are fixed behaviour, listed at the top of docs/decisions.md.
+Every numeric DECISION of the spec is a named field here, and the next-hop tie rule; its other rule
+DECISIONs (committee draws, unreviewed outputs, ...) are fixed behaviour, listed at the top of
+docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 from meshheal_jax.errors import MeshHealError
 
 VARIANTS = ("full", "single_reviewer", "no_takeover")
+NEXT_HOP_TIES = ("random", "lowest")
 DETECTORS = ("relative", "absolute", "cusum")
 
 
@@ -30,6 +32,10 @@ class ProtocolParams:
     route_limit: int = 4  # moves since the last output (paper's routing limit)
     move_limit: int = 8  # total moves (DECISION)
     threshold_tol: float = 1e-9  # comparisons favour crossing by this much
+    # DECISION (protocol.md §2): a next hop among equally near neighbours (routing and RawRelay) is
+    # drawn uniformly with the visit's tie draw ("random"), or is the lowest-index one ("lowest":
+    # the rule the spec rejects because it starves some holders of all routed work)
+    next_hop_ties: str = "random"
     # MeshHeal variant (spec/experiments.md §4, baselines.md "Ablations"):
     #   full | single_reviewer (the initial reviewer is the whole committee, in two contexts, and
     #   writes the Takeover alone: one synthesis call) | no_takeover (low scores leave the output)
@@ -50,6 +56,10 @@ class ProtocolParams:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise MeshHealError(f"unknown MeshHeal variant {self.variant!r}; known: {', '.join(VARIANTS)}")
+        if self.next_hop_ties not in NEXT_HOP_TIES:
+            raise MeshHealError(
+                f"unknown next_hop_ties {self.next_hop_ties!r}; known: {', '.join(NEXT_HOP_TIES)}"
+            )
         if self.detector not in DETECTORS:
             raise MeshHealError(f"unknown detector {self.detector!r}; known: {', '.join(DETECTORS)}")
         if not self.absolute_scale > 0:

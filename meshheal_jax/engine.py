@@ -112,6 +112,7 @@ class Params:
     probe_interval: jax.Array
     warmup: jax.Array
     route_limit: jax.Array
+    tie_scale: jax.Array  # 1.0: next-hop ties by the tie draw; 0.0: the lowest index (next_hop_ties)
     move_limit: jax.Array
     tol: jax.Array
     abs_threshold: jax.Array  # absolute detector
@@ -166,6 +167,7 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
         z_floor=f(protocol.z_scale_floor), probe_interval=i(protocol.probe_interval),
         warmup=i(protocol.warmup_tasks(n_agents)), route_limit=i(protocol.route_limit),
         move_limit=i(protocol.move_limit), tol=f(protocol.threshold_tol),
+        tie_scale=f(1.0 if protocol.next_hop_ties == "random" else 0.0),
         abs_threshold=f(protocol.absolute_threshold), abs_scale=f(protocol.absolute_scale),
         cusum_target=f(protocol.cusum_target), cusum_k=f(protocol.cusum_k), cusum_h=f(protocol.cusum_h),
         p_infer=f([m.p_infer for m in models]), p_part=f([m.p_part_for(profile) for m in models]),
@@ -797,7 +799,7 @@ def _next_hop(p: Params, world: World, net: Net, slot: Slots, missing, u_route, 
     s = pick_from_mask(u_route[D.HOP_ABILITY], missing)
     d = net.distance[i, s]
     nb, valid, nbc = neighbours_of(world, i)
-    j = pick_neighbour(u_route[D.HOP_TIE], nb, valid & (net.distance[nbc, s] == d - 1))
+    j = pick_neighbour(u_route[D.HOP_TIE] * p.tie_scale, nb, valid & (net.distance[nbc, s] == d - 1))
     unreachable = d >= INF
     return where_tree(unreachable, _finish(slot, False, 2), _move(p, slot, j, action))
 
@@ -876,7 +878,7 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         relay = (slot.phase == INFER) & (net.state[i] == ISOLATED)
         d = net.distance[i, column]
         nb, valid, nbc = neighbours_of(world, i)
-        j = pick_neighbour(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE], nb,
+        j = pick_neighbour(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE] * p.tie_scale, nb,
                            valid & (net.distance[nbc, column] == d - 1))  # fmt: skip
         moved = where_tree(d >= INF, _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))
         return n + 1, where_tree(relay, moved, slot)

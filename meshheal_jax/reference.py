@@ -520,13 +520,18 @@ class ReferenceEngine:
         task.route.append(to)
         task.agent = to
 
+    def _tie(self, u: float, n: int) -> int:
+        """A next hop among n equally near neighbours (increasing index): the tie draw's pick, or the
+        lowest index (ProtocolParams.next_hop_ties)."""
+        return pick(u, n) if self.p.next_hop_ties == "random" else 0
+
     def _next_hop(self, agent: int, missing: list[int], action: str) -> None:
         u = self.u_route[self.task.moves]
         s = missing[pick(u[D.HOP_ABILITY], len(missing))]
         if self.world.distance[agent][s] >= INF:
             raise Unanswered("unreachable ability")
         hops = self.world.next_hops(agent, s)
-        self._move(hops[pick(u[D.HOP_TIE], len(hops))], action)
+        self._move(hops[self._tie(u[D.HOP_TIE], len(hops))], action)
 
     def _execute(self, t: int) -> None:
         task, world = self.task, self.world
@@ -538,7 +543,7 @@ class ReferenceEngine:
             if world.distance[task.agent][any_column] >= INF:
                 raise Unanswered("no non-isolated agent reachable")
             hops = world.next_hops(task.agent, any_column)
-            self._move(hops[pick(self.u_route[task.moves][D.HOP_TIE], len(hops))], "rawrelay")
+            self._move(hops[self._tie(self.u_route[task.moves][D.HOP_TIE], len(hops))], "rawrelay")
         # 2. InferAbilities by the first non-isolated holder.
         true_pair = self.profile.pair_index(task.task_type)
         pairs = self.profile.pairs

@@ -495,8 +495,12 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
 
 
 def comparable(experiment: dict | None) -> dict | None:
-    """A run configuration without what does not change results (the live servers' URLs). A live
-    folder written before reasoning_effort and the hub sources were recorded ran with the defaults."""
+    """A run configuration without what does not change results (the live servers' URLs). A folder
+    written before a protocol field existed (next_hop_ties), or a live one before reasoning_effort
+    and the hub sources were recorded, ran with their defaults."""
+    if experiment and isinstance(experiment.get("protocol"), dict):
+        defaults = dataclasses.asdict(ProtocolParams())
+        experiment = {**experiment, "protocol": {**defaults, **experiment["protocol"]}}
     if not experiment or not experiment.get("live"):
         return experiment
     live = {

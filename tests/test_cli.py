@@ -196,6 +196,20 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
         prepare_run_dir(other, out)
 
 
+def test_a_folder_from_before_a_protocol_field_resumes_with_its_default(tmp_path):
+    """next_hop_ties was added to ProtocolParams later: a folder whose config.json lacks it ran with
+    the default and resumes; the other value is refused."""
+    exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=84)
+    out = prepare_run_dir(exp, tmp_path / "run")
+    config = json.loads((out / "config.json").read_text())
+    del config["experiment"]["protocol"]["next_hop_ties"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert prepare_run_dir(exp, out) == out
+    lowest = dataclasses.replace(exp, protocol=ProtocolParams(next_hop_ties="lowest"))
+    with pytest.raises(MeshHealError, match=r"\(protocol.next_hop_ties differ\)"):
+        prepare_run_dir(lowest, out)
+
+
 @pytest.mark.parametrize("edited", ["model file llama-3.2-1b", "profile math"])
 def test_resume_refuses_input_files_whose_contents_changed(tmp_path, edited):
     """The configuration names the folders; a resumed run must also read the same file contents,

@@ -11,6 +11,7 @@ import pytest
 
 from meshheal_jax import engine, metrics, reference
 from meshheal_jax.config import ProtocolParams
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
 from meshheal_jax.streams import (
     RECOVERY_PHASES,
@@ -149,6 +150,19 @@ def test_sparse_graphs_and_tight_budgets_equal_reference(edges, degraded, seed, 
     tables = assert_equal_to_reference([sparse_spec(edges, degraded, seed)], protocol)[0]
     events = routing_events(tables, protocol)
     assert all(events[name] > 0 for name in expected), events
+
+
+def test_lowest_index_ties_equal_reference_and_change_routes():
+    """next_hop_ties="lowest" (the DECISION's alternative, protocol.md §2): both engines take the
+    lowest-index neighbour among equally near ones; on a ring, where the far agent is two hops
+    either way, the routes differ from random ties."""
+    lowest = ProtocolParams(probe_interval=3, warmup_per_six=5, move_limit=3, next_hop_ties="lowest")
+    spec = sparse_spec(RING_6, (3, 5), 2)
+    tables = assert_equal_to_reference([spec], lowest)[0]
+    drawn = engine.run_streams([spec], dataclasses.replace(lowest, next_hop_ties="random"), lanes=1)[0]
+    assert not tables["tasks"]["route"].equals(drawn["tasks"]["route"])
+    with pytest.raises(MeshHealError, match="unknown next_hop_ties 'first'"):
+        ProtocolParams(next_hop_ties="first")
 
 
 def test_vmap_equals_separate_runs_and_is_deterministic():
