@@ -19,6 +19,7 @@ import polars as pl
 
 from meshheal_jax import metrics, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, new_table, print_table
+from meshheal_jax.data import DATASETS
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
 
@@ -199,7 +200,8 @@ def body(cfg: ReportConfig) -> None:
     if cfg.json_out is not None and (cfg.json_out.is_dir() or not cfg.json_out.parent.is_dir()):
         raise MeshHealError(f"--json-out {cfg.json_out}: not a file path in an existing folder")
     exp = runner.Experiment(
-        name="main", datasets=("bbh", "math", "mmlu_pro"), pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
+        name="main", datasets=DATASETS, pairs=tuple(cfg.pairs), seeds=cfg.seed_tuple(),
+        degraded=runner.profile_targets(DATASETS, cfg.profiles_dir),
         engine=cfg.engine, slots=cfg.slots, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
         **backend_fields(cfg),
     )  # fmt: skip

@@ -274,8 +274,8 @@ def stream_metrics(
     calls: pl.DataFrame | None = None, scale_counts: bool = False,
 ) -> dict:  # fmt: skip
     """Every per-stream number the summary aggregates over seeds. per_agent=False (large
-    networks) replaces the per-agent outcome list by scale_outcomes' counts; scale=True adds the
-    counts beside the per-agent list (scale_counts: the scale experiment at 6 agents). With `calls` (the
+    networks) replaces the per-agent outcome list by scale_outcomes' counts; scale_counts=True adds
+    the counts beside the per-agent list (the scale experiment at 6 agents). With `calls` (the
     stream's calls table) the parse counts (PARSE_KEYS, parse_counts) are added, overall and per
     phase; without it they are left out (not known)."""
     degraded_rows = any_degraded(schedule)

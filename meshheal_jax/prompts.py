@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from meshheal_jax import params
 from meshheal_jax.data import DATASETS, MMLU_PRO_LETTERS
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.scoring import extract_answer
@@ -37,8 +38,8 @@ from meshheal_jax.topology import Profile
 
 Message = dict[str, str]
 
-# the review score grid: protocol.md §4's four anchors, the emulator's (params.ANCHORS)
-ANCHORS = (0.0, 0.25, 0.5, 1.0)
+# the review score grid: protocol.md §4's four anchors, the emulator's
+ANCHORS = params.ANCHORS
 NEUTRAL_SCORE = 0.5  # DECISION (live.md): a review that never parses counts as "cannot verify"
 LOW_SCORE_LIMIT = 0.40  # a score at or below this needs a concrete correctness error as evidence
 NO_FINAL_ANSWER_CAP = 0.25  # Finalize review: no single concrete final answer -> at most this

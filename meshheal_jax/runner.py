@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 from rich.progress import Progress
 
@@ -854,9 +855,11 @@ def graph_facts(exp: Experiment, dataset: str) -> dict:
     """n_agents, topology, degraded, edges, edge fraction and max ability distance of a result."""
     network = exp.network(dataset)
     holds = network.holds
-    degraded = graphs.degraded_mask(network.profile.degraded_targets, exp.n_agents)
+    intervals = exp.schedule().intervals
+    degraded = np.zeros(exp.n_agents, dtype=bool)  # the run's degraded agents (--degraded or the profile's)
+    degraded[[agent for agent, _, _ in intervals]] = True
     distance = graphs.ability_distances(holds, degraded, network.edges)
     complete = exp.n_agents * (exp.n_agents - 1) // 2
-    return {"n_agents": exp.n_agents, "topology": exp.topology, "degraded": len(exp.schedule().intervals),
+    return {"n_agents": exp.n_agents, "topology": exp.topology, "degraded": len(intervals),
             "edges": network.n_edges, "edge_fraction": network.n_edges / complete if complete else 0.0,
             "max_ability_distance": int(distance.max(initial=0))}  # fmt: skip

@@ -16,6 +16,7 @@ would still appear in it (a model echoing a token put in a prompt) is redacted b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -98,7 +99,6 @@ class ResponseCache:
             raise MeshHealError(f"response cache {self.path}: cannot open ({err})") from None
         self._secrets = [s for s in extra_secrets if len(s) >= _MIN_SECRET_LENGTH]
         self._pending: dict[str, tuple] = {}  # put_soon's rows, key -> row, until the next flush
-        self._failed: MeshHealError | None = None  # a write of _flush_soon's, raised at the next call
         self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is scheduled
         self.hits = 0
         self.misses = 0
@@ -123,10 +123,9 @@ class ResponseCache:
 
     def put_soon(self, key: str, model_id: str, payload: Mapping[str, Any]) -> None:
         """Write one reply with the others put in the same turn of the running event loop: one commit
-        for them all, at the loop's next turn (`flush`). Without a running loop, as `put`. A failed
-        write is raised by the next `put_soon` or `flush` (a loop callback's exception would only be
-        logged)."""
-        self._raise_failed()
+        for them all, at the loop's next turn. Without a running loop, as `put`. If that write fails,
+        the replies stay held and the next `flush` (`run_batch` ends with one) tries again and raises
+        (a loop callback's exception would only be logged)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -138,22 +137,15 @@ class ResponseCache:
         self._pending[key] = self._row(key, model_id, payload)
 
     def flush(self) -> None:
-        """Commit the replies `put_soon` holds; raise a write that failed since the last flush."""
-        self._raise_failed()
-        rows, self._pending, self._flush_loop = list(self._pending.values()), {}, None
-        if rows:
-            self._write(rows)
+        """Commit the replies `put_soon` holds (MeshHealError if the write fails: they stay held)."""
+        self._flush_loop = None
+        if self._pending:
+            self._write(list(self._pending.values()))
+            self._pending = {}
 
     def _flush_soon(self) -> None:
-        try:
+        with contextlib.suppress(MeshHealError):  # held; the next flush tries again and raises
             self.flush()
-        except MeshHealError as err:
-            self._failed = err
-
-    def _raise_failed(self) -> None:
-        if self._failed is not None:
-            err, self._failed = self._failed, None
-            raise err
 
     def _row(self, key: str, model_id: str, payload: Mapping[str, Any]) -> tuple:
         text = redact_secrets(canonical_json(payload), _secret_values() + self._secrets)

@@ -14,9 +14,10 @@ reads one `CallResponse` per request back into the response arrays:
 (`SyncLiveClient` wraps the same for a synchronous host loop.)
 
 Behaviour, all of it tested against a scripted stand-in server (tests/test_live.py):
-- One long-lived `openai.AsyncOpenAI` per base URL, several base URLs per role taken in turn
-  (round-robin per HTTP attempt), an `asyncio.Semaphore` per server capping requests in
-  flight, and an HTTP connection pool larger than the semaphore (a default pool would silently
+- Long-lived `openai.AsyncOpenAI` clients per base URL (ceil(in flight / 32) "lanes", each with
+  its own HTTP pool, a request taking the least-loaded; decisions L4), several base URLs per role
+  taken in turn (round-robin per HTTP attempt), an `asyncio.Semaphore` per server capping
+  requests in flight, and HTTP connections beyond the semaphore (a default pool would silently
   cap concurrency). The SDK's aiohttp transport where `openai[aiohttp]` is installed, else its
   httpx one.
 - Retries with jittered exponential backoff on connection errors and timeouts, 429 (honouring
@@ -33,8 +34,9 @@ Behaviour, all of it tested against a scripted stand-in server (tests/test_live.
   once more alone with seed + 1,000,003 (its tokens counted); if that fails too it is recorded
   as a parse failure with the parser's fallback (a neutral 0.5 review, the documented pair).
 - Every HTTP call is looked up in / written to the `ResponseCache` (key: real model id,
-  messages, sampling params, seed, n) as soon as it returns: a repeated or resumed batch sends
-  nothing it already has.
+  messages, sampling params, seed, n) as it returns (the replies of one event-loop turn in one
+  commit, at the next turn; `run_batch` flushes before it returns; decisions L2): a repeated or
+  resumed batch sends nothing it already has.
 - `reasoning_effort` (default "medium") goes to gpt-oss models only; `max_completion_tokens`
   covers their reasoning too.
 - Python's cyclic garbage collector is paused while a batch is in flight (`pause_gc`, docs/
@@ -72,7 +74,7 @@ SEED_SPACING = 4  # request seeds are multiples of this, > any n: sample seeds n
 RETRY_SEED_OFFSET = 1_000_003  # a parse-failure retry of sample i uses seed + i + this
 DEFAULT_REASONING_EFFORT = "medium"  # gpt-oss only
 POOL_HEADROOM = 32  # HTTP connections per server beyond its semaphore
-LANE_CONNECTIONS = 32  # connections per HTTP pool: a server gets ceil(in flight / 32) clients in turn
+LANE_CONNECTIONS = 32  # a server gets ceil(in flight / 32) clients, a request taking the least-loaded
 API_KEY_ENV_VARS = ("MESHHEAL_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")
 
 # CallResponse.parse_status values, per sample

@@ -36,7 +36,7 @@ request, mapped per sample). With `run_dir`, the raw per-request trace is append
 `run_dir/live_trace.parquet` (a resumed call adds its rows after the earlier call's; replayed ones
 are marked `from_cache`) and the response cache defaults to `run_dir/responses.sqlite`.
 
-Resume: every HTTP reply is written to the `ResponseCache` the moment it arrives. Re-running the
+Resume: every HTTP reply is written to the `ResponseCache` as it arrives (decisions L2). Re-running the
 same call replays the whole loop from task 1: the controller is deterministic and every prompt,
 seed and sampling parameter is the same, so each request is a cache hit and nothing already
 received is sent again; the run continues where the replies stop. Limits: the controller state is
@@ -390,7 +390,8 @@ def _build_requests(
                         )  # fmt: skip
                     elif phase == engine.CANDIDATES or (phase == engine.SYNTH and not text.candidates):
                         # a correction candidate; a synthesis without candidates is single_reviewer's
-                        # one correction call (decisions V2), which writes the correction itself
+                        # one correction call (decisions V2), which writes the correction itself (the
+                        # full variant's synthesis always follows its two candidate calls)
                         verdicts = [text.round2[i] for i in sorted(text.round2)] or [
                             text.round1[i] for i in sorted(text.round1)
                         ]
