@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import tomllib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -191,8 +192,24 @@ def backend_fields(flags: CommonFlags) -> dict:
     return {"backend": flags.backend, "live": live_settings(flags)}
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """The project's own warnings as one line (`warning: ...`), as its errors are; others as Python
+    formats them."""
+    from meshheal_jax.data import QuestionPoolWarning
+    from meshheal_jax.runner import PhaseMixWarning
+
+    if issubclass(category, (PhaseMixWarning, QuestionPoolWarning)):
+        return f"warning: {message}\n"
+    return _PYTHON_FORMATWARNING(message, category, filename, lineno, line)
+
+
+_PYTHON_FORMATWARNING = warnings.formatwarning
+
+
 def entrypoint(config_type: type, body: Callable, description: str) -> None:
-    """Parse flags, run body(config); a MeshHealError prints one line and exits with status 2."""
+    """Parse flags, run body(config); a MeshHealError prints one line and exits with status 2, the
+    project's warnings print one line each."""
+    warnings.formatwarning = _warning_line
     try:
         config = tyro.cli(config_type, description=description)
         body(config)

@@ -280,7 +280,7 @@ def test_rerun_with_another_configuration_is_refused(main_run, tmp_path):
     proc, out = main_run
     assert proc.returncode == 0
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    other = cli("main", "--methods", "meshheal", "--seeds", "1", "--tasks", "42", "--datasets", "math", "--quiet",
+    other = cli("main", "--methods", "meshheal", "--seeds", "1", "--tasks", "168", "--datasets", "math", "--quiet",
                 "--out", str(out),
                 cwd=tmp_path)  # fmt: skip
     assert other.returncode == 2
@@ -375,6 +375,15 @@ def test_bad_stream_length_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert "multiple of 42" in proc.stderr
     assert not out.exists()
+
+
+def test_the_cli_prints_a_phase_mix_warning_as_one_line(tmp_path):
+    proc = cli("main", "--methods", "meshheal", "--seeds", "1", "--tasks", "42", "--datasets", "math",
+               "--engine", "reference", "--quiet", "--out", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "type mixes differ" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: --tasks 42 splits into 2 phases")
+    assert "runner.py" not in proc.stderr
 
 
 def test_phases_of_unequal_type_mix_are_warned():
