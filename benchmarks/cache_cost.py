@@ -9,18 +9,15 @@
 
     python benchmarks/cache_cost.py                  # this checkout
     python benchmarks/cache_cost.py --cache-first    # the cached client first (order effects)
-    # A/B against another commit: git worktree add /tmp/before <ref>, then alternate
-    (cd /tmp/before && PYTHONPATH=/tmp/before python /path/to/this/benchmarks/cache_cost.py)
-
-The second part needs the stand-in's module from the checkout it runs in (benchmarks/), so an A/B
-runs each arm from its own checkout directory.
+    # A/B against another commit's package (this file's harness, the other checkout's client):
+    git worktree add /tmp/before <ref>
+    PYTHONPATH=/tmp/before python benchmarks/cache_cost.py     # alternate with the line above
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import statistics
 import sys
 import tempfile
@@ -67,36 +64,20 @@ def parts(n: int = 3000) -> dict[str, float]:
 
 
 def in_use(cache_first: bool) -> dict[str, float]:
-    sys.path.insert(0, str(Path.cwd() / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness beside this file
     import live_throughput as lt
 
-    from meshheal_jax.backends.live import LiveClient, ServerGroup
-
-    async def arm(stand_in, cache_dir: str | None) -> float:
-        cache = ResponseCache(Path(cache_dir) / "r.sqlite") if cache_dir else None
-        per_call = []
-        group = ServerGroup("strong", (stand_in.url,), max_in_flight=256)
-        try:
-            async with LiveClient([group], cache=cache, retry=lt.BENCH_RETRY) as client:
-                await client.run_batch(lt.bench_requests(256, seed_base=20_000))  # warm-up, dropped
-                for k in range(3):
-                    stand_in.reset(2.0)
-                    gc.collect()
-                    seeds = 30_000 + k * 100_003 + (7 if cache_dir else 0)
-                    run = await lt.timed_batch(client, lt.bench_requests(1024, seed_base=seeds))
-                    per_call.append(run["cpu_s"] / 1024 * 1e3)
-        finally:
-            if cache is not None:
-                cache.close()
-        return statistics.median(per_call)
+    def cpu_ms_per_call(stand_in, cache_dir: str | None) -> float:
+        runs = asyncio.run(lt.live_client_batches(stand_in, 2.0, 256, 1024, 3, cache_dir and Path(cache_dir)))
+        return statistics.median(run["cpu_s"] / 1024 * 1e3 for run in runs)
 
     with lt.FixedLatencyStandIn(2.0) as stand_in, tempfile.TemporaryDirectory() as tmp:
         if cache_first:
-            cached = asyncio.run(arm(stand_in, tmp))
-            plain = asyncio.run(arm(stand_in, None))
+            cached = cpu_ms_per_call(stand_in, tmp)
+            plain = cpu_ms_per_call(stand_in, None)
         else:
-            plain = asyncio.run(arm(stand_in, None))
-            cached = asyncio.run(arm(stand_in, tmp))
+            plain = cpu_ms_per_call(stand_in, None)
+            cached = cpu_ms_per_call(stand_in, tmp)
     return {"no cache": plain, "cache": cached, "cache - no cache": cached - plain}
 
 

@@ -451,44 +451,49 @@ def section_a(stand_in: FixedLatencyStandIn, latency: float, semaphores: Sequenc
 # Section b: host overhead at 256 in flight
 
 
+async def live_client_batches(
+    stand_in: FixedLatencyStandIn, latency: float, in_flight: int, size: int, repeats: int,
+    cache_dir: Path | None = None, shards: int = 1, pause_gc: bool = True,
+) -> list[dict]:  # fmt: skip
+    """`repeats` timed batches of `size` requests through LiveClient as the live runner opens it
+    (after a dropped warm-up batch), with a ResponseCache in `cache_dir` if given; `shards` > 1
+    lists the stand-in's URL that many times (one openai client, connection pool and semaphore of
+    in_flight / shards per URL); `pause_gc=False` leaves Python's cyclic collector running."""
+    runs = []
+    cache = ResponseCache(cache_dir / "responses.sqlite") if cache_dir is not None else None
+    group = ServerGroup("strong", (stand_in.url,) * shards, max_in_flight=in_flight // shards)
+    try:
+        async with LiveClient([group], cache=cache, retry=BENCH_RETRY, pause_gc=pause_gc) as client:
+            await client.run_batch(bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
+            for k in range(repeats):
+                batch = bench_requests(size, seed_base=30_000 + k * 100_003)
+                stand_in.reset(latency)
+                gc.collect()
+                # the response cache's grouped writes (decisions L2): replies per sqlite commit (none
+                # before them: an older checkout's cache, as cache_cost.py's A/B runs, has no count)
+                counted = cache is not None and hasattr(cache, "commits")
+                before = (cache.writes, cache.commits) if counted else None
+                run = await timed_batch(client, batch)
+                run["replies_per_commit"] = (
+                    (cache.writes - before[0]) / max(cache.commits - before[1], 1) if counted else math.nan
+                )
+                run["server"] = stand_in.stats()
+                del run["responses"]
+                # what the batch left for the collector: its objects in reference cycles
+                run["cyclic_garbage"] = gc.collect()
+                runs.append(run)
+    finally:
+        if cache is not None:
+            cache.close()
+    return runs
+
+
 def section_b(
     stand_in: FixedLatencyStandIn, latency: float, in_flight: int, waves: int, repeats: int
 ) -> dict:
     b = waves * in_flight
     ideal = math.ceil(b / in_flight) * latency
     rows = []
-
-    async def live_client(cache_dir: Path | None, shards: int = 1, pause_gc: bool = True) -> dict:
-        """LiveClient as the live runner opens it; `shards` > 1 lists the stand-in's URL that many
-        times (one openai client, connection pool and semaphore of in_flight / shards per URL);
-        `pause_gc=False` leaves Python's cyclic collector running during the batch."""
-        runs = []
-        cache = ResponseCache(cache_dir / "responses.sqlite") if cache_dir is not None else None
-        group = ServerGroup("strong", (stand_in.url,) * shards, max_in_flight=in_flight // shards)
-        try:
-            async with LiveClient([group], cache=cache, retry=BENCH_RETRY, pause_gc=pause_gc) as client:
-                await client.run_batch(bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
-                for k in range(repeats):
-                    batch = bench_requests(b, seed_base=30_000 + k * 100_003)
-                    stand_in.reset(latency)
-                    gc.collect()
-                    before = (cache.writes, cache.commits) if cache is not None else None
-                    run = await timed_batch(client, batch)
-                    # the response cache's grouped writes (decisions L2): replies per sqlite commit
-                    run["replies_per_commit"] = (
-                        math.nan
-                        if cache is None
-                        else (cache.writes - before[0]) / max(cache.commits - before[1], 1)
-                    )
-                    run["server"] = stand_in.stats()
-                    del run["responses"]
-                    # what the batch left for the collector: its objects in reference cycles
-                    run["cyclic_garbage"] = gc.collect()
-                    runs.append(run)
-        finally:
-            if cache is not None:
-                cache.close()
-        return median_run(runs)
 
     async def bare_sdk() -> dict:
         """The openai SDK alone (same pool size, a semaphore, no parsing beyond the SDK's own):
@@ -580,16 +585,23 @@ def section_b(
         return out
 
     with tempfile.TemporaryDirectory(prefix="live-throughput-") as tmp:
+
+        async def live_client(cache_dir: Path | None = None, shards: int = 1, pause_gc: bool = True) -> dict:
+            runs = await live_client_batches(
+                stand_in, latency, in_flight, b, repeats, cache_dir, shards, pause_gc
+            )
+            return median_run(runs)
+
         variants = [
-            ("LiveClient, no cache", lambda: live_client(None)),
+            ("LiveClient, no cache", lambda: live_client()),
             (
                 "LiveClient, cyclic collector not paused (pause_gc=False)",
-                lambda: live_client(None, pause_gc=False),
+                lambda: live_client(pause_gc=False),
             ),
             ("LiveClient + ResponseCache (sqlite)", lambda: live_client(Path(tmp))),
             (
                 f"LiveClient, the URL listed {POOL_SHARDS}x ({POOL_SHARDS} pools of {in_flight // POOL_SHARDS})",
-                lambda: live_client(None, POOL_SHARDS),
+                lambda: live_client(shards=POOL_SHARDS),
             ),
             ("openai SDK alone (reference)", bare_sdk),
         ]
