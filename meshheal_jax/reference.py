@@ -17,13 +17,12 @@ import math
 
 from meshheal_jax import draws as D
 from meshheal_jax.config import ProtocolParams
-from meshheal_jax.params import ModelParams, Pair
+from meshheal_jax.params import ANCHORS, ModelParams, Pair
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network
 
 INF = 2**30
 NORMAL, WATCHED, ISOLATED = "normal", "watched", "isolated"
-ANCHORS = (0.0, 0.25, 0.5, 1.0)
 
 
 def pick(u: float, n: int) -> int:

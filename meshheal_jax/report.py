@@ -271,14 +271,19 @@ PARSE_FALLBACKS = (
 )
 
 
+def _seen(r: dict, key: str) -> bool:
+    """Whether some stream of the result counted any of `key` (a parse count's stats)."""
+    return ((r.get(key) or {}).get("max") or 0) > 0
+
+
 def parse_problems(r: dict) -> bool:
     """Whether some stream of the result had a reply that failed to parse or needed the retry."""
-    return any(((r.get(key) or {}).get("max") or 0) > 0 for key in ("parse_failed", "parse_retried"))
+    return _seen(r, "parse_failed") or _seen(r, "parse_retried")
 
 
 def _parse_part(r: dict, status: str) -> str:
     groups = [f"{group} {fmt(r[key], 1)}" for group in metrics.PARSE_GROUPS
-              if ((r.get(key := f"parse_{status}_{group}") or {}).get("max") or 0) > 0]  # fmt: skip
+              if _seen(r, key := f"parse_{status}_{group}")]  # fmt: skip
     return fmt(r.get(f"parse_{status}"), 1) + (f" ({', '.join(groups)})" if groups else "")
 
 

@@ -292,8 +292,8 @@ class Experiment:
         for dataset in self.datasets:
             self.network(dataset)
         starts, names = self.phases()
-        for dataset in self.datasets:  # stream length and phases, before anything is written
-            n_types = len(load_profile(dataset, self.profiles_dir).task_types)
+        for profile in profiles:  # stream length and phases, before anything is written
+            n_types = len(profile.task_types)
             make_stream(0, 0, self.n_tasks, n_types, starts, names)
             # every phase whole balanced blocks: the same type mix in each (spec/experiments.md)
             block = BLOCK_PER_TYPE * n_types
@@ -307,14 +307,11 @@ class Experiment:
                     stacklevel=2,
                 )
 
-    def degraded_targets(self) -> tuple[int, ...]:
-        return profile_targets(self.datasets, self.profiles_dir)
-
     def schedule(self) -> HealthSchedule:
         if self.name == "recovery":
             if self.n_agents != 6:
                 raise MeshHealError("the recovery schedule is defined for the 6-agent network")
-            targets = self.degraded if self.degraded is not None else self.degraded_targets()
+            targets = degraded_or_targets(self.degraded, self.datasets, self.profiles_dir)
             if len(targets) != 2:
                 raise MeshHealError(
                     f"the recovery schedule degrades two agents (A3, A5), got {list(targets)}"
@@ -323,7 +320,7 @@ class Experiment:
             return recovery_schedule(self.n_tasks, a3=a3, a5=a5)
         degraded = self.degraded
         if degraded is None:
-            targets = self.degraded_targets()
+            targets = profile_targets(self.datasets, self.profiles_dir)
             degraded = tuple(r * 6 + a for r in range(self.n_agents // 6) for a in targets)
         return persistent_schedule(self.n_agents, self.n_tasks, tuple(sorted(degraded)))
 
@@ -817,9 +814,11 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
     split = {name: frames[name].partition_by("method", "dataset", "pair", "seed", as_dict=True)
              for name in ("tasks", "reviews", "states")}  # fmt: skip
     with_calls = "calls" in exp.tables
-    # only the calls that did not parse at once: the calls table of a large network is big
-    not_ok = frames["calls"].filter(pl.col("parse_status").fill_null(metrics.PARSE_OK) != metrics.PARSE_OK)
-    split["calls"] = not_ok.partition_by("method", "dataset", "pair", "seed", as_dict=True)
+    if with_calls:  # only the calls that did not parse at once: the calls table of a large network is big
+        not_ok = frames["calls"].filter(
+            pl.col("parse_status").fill_null(metrics.PARSE_OK) != metrics.PARSE_OK
+        )
+        split["calls"] = not_ok.partition_by("method", "dataset", "pair", "seed", as_dict=True)
     results = []
     for method in exp.methods:
         head = {"method": method, **exp.labels(method)}
