@@ -60,8 +60,9 @@ class CommonFlags:
     strong_served_name, weak_served_name, max_in_flight, max_tokens, data, reasoning_effort and the tables
     hub_id, hub_split, hub_config, hub_revision (dataset = value); flags given on the command line win"""
     data: str | None = None
-    """live: the questions: hub (Hugging Face, the default), sample (the packaged sample) or a folder of
-    local benchmark files"""
+    """the questions: hub (Hugging Face, live's default), sample (the packaged sample) or a folder of
+    local benchmark files; an emulated run given one counts each question's tokens from its text
+    (characters / 4) instead of the profile's mean"""
     max_tokens: int | None = None
     """live: cap on every call's max_completion_tokens"""
     reasoning_effort: str | None = None

@@ -1,4 +1,4 @@
-"""Benchmark questions for the live backend and `--data DIR` runs (spec/live.md "Datasets").
+"""Benchmark questions for the live backend and `--data` runs (spec/live.md "Datasets").
 
 Every loader maps a benchmark's own rows to `Record(question, task_type, gold, options)`, keeps
 only the task types of the dataset's profile, and fails with a one-line `MeshHealError` naming
@@ -15,6 +15,7 @@ the file, row and field of a malformed row, or the profile task type the data la
 - `question_pool` + `pick_questions`: turn a stream's (task type, question id) arrays into
   records: question k of type T is the k-th question of T's pool in a seeded shuffled order;
   past the end of the pool questions are drawn with replacement, with a flag and a warning.
+- `question_tokens`: the token counts an emulated run given a data dir uses for its questions.
 """
 
 from __future__ import annotations
@@ -563,3 +564,19 @@ def pick_questions(
         )
     records = tuple(pool[int(t)][int(i)] for t, i in zip(task_type, pool_index))
     return QuestionPick(records, pool_index, bool(len(short)), needed, available, short_types)
+
+
+CHARS_PER_TOKEN = 4  # spec/emulator.md: an emulated question's tokens are its characters / 4
+
+
+def question_tokens(records: Sequence[Record], dataset: str) -> np.ndarray:
+    """(N,) int32: the tokens of each record's question as the prompts show it
+    (prompts.format_question: MMLU-Pro's options included), counted as characters / 4 rounded up
+    (spec/emulator.md: no tokenizer is configured; docs/decisions.md E7)."""
+    from meshheal_jax import prompts  # prompts reads this module's constants
+
+    texts = (
+        prompts.format_question(prompts.TaskText(dataset, r.question, r.task_type, r.options))
+        for r in records
+    )
+    return np.array([max(1, -(-len(text) // CHARS_PER_TOKEN)) for text in texts], dtype=np.int32)

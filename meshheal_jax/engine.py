@@ -134,7 +134,6 @@ class Params:
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, 7 kinds, 2 [min, max]) int
     prompt: jax.Array  # (2, 7 kinds) int
-    question_tokens: jax.Array  # ()
 
 
 @pytree
@@ -145,6 +144,7 @@ class World:
     nbr: jax.Array  # (N, K) int32 neighbours in increasing index, -1 padding
     task_type: jax.Array  # (n_tasks,) int
     difficulty: jax.Array  # (n_tasks,) int32: the difficulty bin of each task's question [backend only]
+    question_tokens: jax.Array  # (n_tasks,) int32: tokens of each task's question [backend only]
     true_pair: jax.Array  # (T,) int: documented pair of each type
     pair_abilities: jax.Array  # (P, A) bool, P padded to the number of task types
     pair_valid: jax.Array  # (P,) bool: a documented pair (not padding)
@@ -178,7 +178,6 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
         distractor_thr=f([m.distractor_thresholds() for m in models]),
         completion=i([[m.completion_tokens[k] for k in CALL_KINDS] for m in models]),
         prompt=i([[m.prompt_tokens[k] for k in CALL_KINDS] for m in models]),
-        question_tokens=i(profile.question_tokens),
     )  # fmt: skip
 
 
@@ -200,6 +199,7 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule, k_max
     i = functools.partial(on_device, dtype=np.int32)
     return World(
         holds=on_device(network.holds, bool), nbr=i(table), task_type=i(stream.task_type), difficulty=i(stream.difficulty),
+        question_tokens=i(stream.question_tokens_or(profile.question_tokens)),
         true_pair=i([profile.pair_index(ty) for ty in range(len(profile.task_types))]),
         pair_abilities=on_device(pair_abilities, bool), pair_valid=on_device(np.arange(n_types) < len(pairs), bool),
         degraded_from=i(start), degraded_until=i(until), seed=i(stream.seed), dataset_id=i(stream.dataset_id),
@@ -993,12 +993,13 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     """One slot's calls. u_calls: (N_CALL_SLOTS, N_CALL_U) of the visit; returns (backend, response)."""
     t, ty, author, s = r.t, r.task_type, r.author, r.ability
     q = world.difficulty[jnp.maximum(t - 1, 0)]  # the question's difficulty bin
+    question = world.question_tokens[jnp.maximum(t - 1, 0)]
     roles = _role(world, r.agent, s, t)  # (3,) the reviewers' / committee members' models, once
     fold = (r.phase == GENERATE) & b.pending  # the previous Contribute's output joins the draft
     b = dataclasses.replace(b, draft_ok=jnp.where(fold, b.draft_ok & b.result_ok, b.draft_ok),
                             draft_tokens=jnp.where(fold, b.draft_tokens + b.result_tokens, b.draft_tokens),
                             pending=b.pending & ~fold)  # fmt: skip
-    ctx = p.question_tokens + b.draft_tokens  # question + accepted draft
+    ctx = question + b.draft_tokens  # question + accepted draft
     judged = ctx + b.part_tokens
     zeros3f, zeros3i = jnp.zeros(3), jnp.zeros(3, jnp.int32)
     none3 = jnp.full(3, -1, jnp.int32)
@@ -1021,7 +1022,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     inferred = jnp.where(ok_infer, true_pair, wrong)
     infer_out = dict(out, pair=inferred, role=zeros3i.at[0].set(role_i),
                      truth=none3.at[0].set((inferred == true_pair).astype(jnp.int32)),
-                     prompt=zeros3i.at[0].set(p.prompt[role_i, K_INFER] + p.question_tokens),
+                     prompt=zeros3i.at[0].set(p.prompt[role_i, K_INFER] + question),
                      completion=zeros3i.at[0].set(_completion(p, role_i, K_INFER, u_infer[D.INFER_TOKENS])))  # fmt: skip
     infer_b = dataclasses.replace(fresh_backend_slot(), pair_ok=inferred == true_pair)
 

@@ -143,12 +143,12 @@ class Output:
 
 
 class ReferenceEmulator:
-    def __init__(self, network: Network, pair: Pair, schedule: HealthSchedule, question_tokens: int,
+    def __init__(self, network: Network, pair: Pair, schedule: HealthSchedule, question_tokens: list[int],
                  difficulty: list[int]):  # fmt: skip
         self.holds = network.holds
         self.pair = pair
         self.schedule = schedule
-        self.question_tokens = question_tokens
+        self.question_tokens = question_tokens  # tokens of task t's question at index t-1
         self.difficulty = difficulty  # difficulty bin of task t's question at index t-1
         self.p_part = {
             "strong": pair.strong.p_part_for(network.profile),
@@ -196,7 +196,7 @@ class ReferenceEmulator:
             others = [k for k in range(n_pairs) if k != true_pair]
             inferred = others[pick(u[D.INFER_WRONG_PAIR], len(others))]
         completion = self._complete(m, "infer", u[D.INFER_TOKENS])
-        prompt = m.prompt_tokens["infer"] + self.question_tokens
+        prompt = m.prompt_tokens["infer"] + self.question_tokens[t - 1]
         self._log(ctx, "infer", agent, role, prompt, completion, author=-1, ability=-1,
                   score=None, answer_id=None, correct=inferred == true_pair)  # fmt: skip
         return inferred
@@ -213,7 +213,7 @@ class ReferenceEmulator:
         part_ok = u[D.U_MAIN] < self.p_part[role][task_type][q]
         completion = self._complete(m, "generate", u[D.U_TOKENS])
         context = sum(o.tokens for o in draft)
-        prompt = m.prompt_tokens["generate"] + self.question_tokens + context
+        prompt = m.prompt_tokens["generate"] + self.question_tokens[t - 1] + context
         draft_ok = all(o.correct for o in draft)
         part = Output(part_ok, self._visible(m, completion), role, on_wrong_draft=finalize and not draft_ok)
         answer = None
@@ -243,7 +243,7 @@ class ReferenceEmulator:
                 author_role, judged.correct, self.difficulty[t - 1], judged.on_wrong_draft
             )
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
-        return self._score_call(ctx, kind, reviewer, role, ability, judged, draft, u, score, 0)
+        return self._score_call(ctx, kind, reviewer, role, ability, judged, draft, u, score, 0, t)
 
     def round2_sample(
         self, ctx, reviewer, ability, t, judged: Output, draft, other_round1: float, u, extra
@@ -258,16 +258,16 @@ class ReferenceEmulator:
                 f"{judged.model}_author", judged.correct, self.difficulty[t - 1], judged.on_wrong_draft
             )
             score = ANCHORS[categorical(u[D.U_MAIN], thresholds)]
-        return self._score_call(ctx, "committee2", reviewer, role, ability, judged, draft, u, score, extra)
+        return self._score_call(ctx, "committee2", reviewer, role, ability, judged, draft, u, score, extra, t)
 
     def _score_call(
-        self, ctx, kind, reviewer, role, ability, judged, draft, u, score, extra
+        self, ctx, kind, reviewer, role, ability, judged, draft, u, score, extra, t
     ) -> tuple[float, int]:
         m = self.model(role)
         completion = self._complete(m, kind, u[D.U_TOKENS])
         prompt = (
             m.prompt_tokens[kind]
-            + self.question_tokens
+            + self.question_tokens[t - 1]
             + sum(o.tokens for o in draft)
             + judged.tokens
             + extra
@@ -288,7 +288,7 @@ class ReferenceEmulator:
             completion = self._complete(m, "candidate", u[D.U_TOKENS])
             prompt = (
                 m.prompt_tokens["candidate"]
-                + self.question_tokens
+                + self.question_tokens[t - 1]
                 + sum(o.tokens for o in draft)
                 + judged.tokens
             )
@@ -300,7 +300,7 @@ class ReferenceEmulator:
         p_ok = m.p_keep if original.correct else m.p_fix
         ok = usynth[D.U_MAIN] < p_ok
         completion = self._complete(m, "synthesis", usynth[D.U_TOKENS])
-        prompt = (m.prompt_tokens["synthesis"] + self.question_tokens + sum(o.tokens for o in draft)
+        prompt = (m.prompt_tokens["synthesis"] + self.question_tokens[t - 1] + sum(o.tokens for o in draft)
                   + judged.tokens + sum(visible))  # fmt: skip
         answer_id = 0 if ok else self._distractor(m, usynth[D.U_DISTRACTOR])
         out = Output(ok, self._visible(m, completion), role, answer_id if finalize else 0)
@@ -472,8 +472,9 @@ class ReferenceEngine:
         self.profile = network.profile
         self.labels = dict(labels or {})
         self.world = ReferenceNetwork(network, params, len(self.profile.task_types))
-        self.backend = ReferenceEmulator(network, pair, schedule, self.profile.question_tokens,
-                                         stream.difficulty.tolist())  # fmt: skip
+        self.backend = ReferenceEmulator(
+            network, pair, schedule, stream.question_tokens_or(self.profile.question_tokens).tolist(),
+            stream.difficulty.tolist())  # fmt: skip
         self.warmup = params.warmup_tasks(network.n_agents)
         self.records = StreamRecords([], [], [], [])
 

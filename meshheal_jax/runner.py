@@ -102,6 +102,11 @@ class LiveSettings:
         items = [HubSource(d, **fields) for d, fields in hub.items()] if isinstance(hub, Mapping) else hub
         object.__setattr__(self, "hub", tuple(HubSource(**h) if isinstance(h, Mapping) else h for h in items))
 
+    def questions_only(self) -> bool:
+        """Only where the questions come from (--data, --hub-*) is set: all an emulated run takes
+        (it reads the questions for their token counts, spec/emulator.md)."""
+        return self == LiveSettings((), (), data=self.data, hub=self.hub)
+
     def validate(self) -> None:
         for role, urls in (("strong", self.strong_urls), ("weak", self.weak_urls)):
             if not urls:
@@ -111,24 +116,28 @@ class LiveSettings:
             raise MeshHealError(f"live: max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise MeshHealError(f"live: max_tokens must be >= 1, got {self.max_tokens}")
-        if self.data not in DATA_SOURCES and not Path(self.data).expanduser().exists():
-            raise MeshHealError(f"live: --data must be hub, sample or an existing folder of benchmark files; "
-                                f"{self.data!r} does not exist")  # fmt: skip
         if self.reasoning_effort not in REASONING_EFFORTS:
             raise MeshHealError(f"live: --reasoning-effort (reasoning_effort) must be one of "
                                 f"{', '.join(REASONING_EFFORTS)}, got {self.reasoning_effort!r}")  # fmt: skip
+        self.validate_questions()
+
+    def validate_questions(self) -> None:
+        """The checks of where the questions come from (data, hub), which emulated runs share."""
+        if self.data not in DATA_SOURCES and not Path(self.data).expanduser().exists():
+            raise MeshHealError(f"--data must be hub, sample or an existing folder of benchmark files; "
+                                f"{self.data!r} does not exist")  # fmt: skip
         if self.hub and self.data != "hub":
-            raise MeshHealError(f"live: --hub-id, --hub-split, --hub-config and --hub-revision apply to --data hub, "
+            raise MeshHealError(f"--hub-id, --hub-split, --hub-config and --hub-revision apply to --data hub, "
                                 f"not --data {self.data}")  # fmt: skip
         datasets = [source.dataset for source in self.hub]
         for source in self.hub:
             if source.dataset not in DATASETS:
-                raise MeshHealError(f"live: --hub-*: unknown dataset {source.dataset!r}; "
+                raise MeshHealError(f"--hub-*: unknown dataset {source.dataset!r}; "
                                     f"known: {', '.join(DATASETS)}")  # fmt: skip
             if datasets.count(source.dataset) > 1:
-                raise MeshHealError(f"live: the hub settings name {source.dataset} twice")
+                raise MeshHealError(f"the hub settings name {source.dataset} twice")
             if source.dataset == "bbh" and source.config is not None:
-                raise MeshHealError(f"live: --hub-config bbh={source.config}: BBH is read one config per task "
+                raise MeshHealError(f"--hub-config bbh={source.config}: BBH is read one config per task "
                                     "type (as lukaemon/bbh keeps it); give no config for bbh")  # fmt: skip
 
     def hub_source(self, dataset: str) -> HubSource:
@@ -269,9 +278,12 @@ class Experiment:
             if self.engine != "jax":
                 raise MeshHealError("the live backend drives the jax engine's controller: use --engine jax")
         elif self.live is not None:
-            raise MeshHealError(
-                "live server settings were given but the backend is emulated: add --backend live"
-            )
+            if not self.live.questions_only():
+                raise MeshHealError(
+                    "live server settings were given but the backend is emulated: add --backend live "
+                    "(an emulated run takes only --data and --hub-*, to count its questions' tokens)"
+                )
+            self.live.validate_questions()
         profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
@@ -520,8 +532,28 @@ def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int, met
     network = exp.network(dataset)
     starts, names = exp.phases()
     stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
+    if exp.backend == "emulated" and exp.live is not None:  # --data: the real questions' token counts
+        stream = with_question_tokens(
+            stream, _emulated_questions(exp.live, dataset, exp.profiles_dir), profile
+        )
     labels = {"method": method, "dataset": dataset, "pair": pair_name, "seed": seed}
     return network, stream, load_pair(pair_name, exp.params_dir), labels
+
+
+@functools.lru_cache(maxsize=8)
+def _emulated_questions(source: LiveSettings, dataset: str, profiles_dir: Path | None) -> tuple:
+    """An emulated run's questions, read once per dataset for all its streams."""
+    return tuple(source.questions(dataset, profiles_dir))
+
+
+def with_question_tokens(stream, records, profile):
+    """The stream with the token counts of the questions its ids pick from `records` (the pick the
+    live backend makes: data.pick_questions), spec/emulator.md; docs/decisions.md E7."""
+    from meshheal_jax import data
+
+    pool = data.question_pool(records, profile.task_types)
+    pick = data.pick_questions(pool, stream.task_type, stream.question, stream.seed, stream.dataset_id)
+    return dataclasses.replace(stream, question_tokens=data.question_tokens(pick.records, profile.dataset))
 
 
 def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:

@@ -7,6 +7,10 @@ type asks question k of that type, so phases never share a question. Task indice
 Every emulated question has a latent difficulty bin (spec/emulator.md; docs/decisions.md E9): a
 function of (seed, dataset id, task type, question id) only, so a question keeps its bin in any
 stream length, method or experiment that asks it. The emulator reads its probabilities per bin.
+
+An emulated run given a data dir (`--data`) reads the questions the ids pick (data.pick_questions,
+as the live backend does) only for their token counts (`Stream.question_tokens`); without one, every
+question counts the profile's mean (spec/emulator.md; docs/decisions.md E7).
 """
 
 from __future__ import annotations
@@ -32,10 +36,18 @@ class Stream:
     question: np.ndarray  # (N,) int32: question id within its type
     phase: np.ndarray  # (N,) int32: phase index of task t
     phase_names: tuple[str, ...]
+    question_tokens: np.ndarray | None = None  # (N,) int32 tokens of task t's real question; None: the mean
 
     @property
     def n_tasks(self) -> int:
         return int(self.task_type.shape[0])
+
+    def question_tokens_or(self, mean: int) -> np.ndarray:
+        """(N,) int32: the tokens of every task's question, `mean` (the profile's) when the stream
+        was given no real questions."""
+        if self.question_tokens is None:
+            return np.full(self.n_tasks, mean, dtype=np.int32)
+        return np.asarray(self.question_tokens, dtype=np.int32)
 
     @functools.cached_property
     def difficulty(self) -> np.ndarray:

@@ -289,6 +289,23 @@ def test_rerun_with_another_configuration_is_refused(main_run, tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # left as it was
 
 
+def test_emulated_run_with_data_counts_real_question_tokens(main_run, tmp_path):
+    """--data in an emulated run: the same outcomes as at the profile's mean question tokens, other
+    prompt tokens (spec/emulator.md); a folder of the other kind is not resumed."""
+    proc, out = main_run
+    assert proc.returncode == 0
+    refused = cli("main", *BASE_ARGS, "--data", "sample", "--out", str(out), cwd=tmp_path)
+    assert refused.returncode == 2 and "different configuration" in refused.stderr
+    real = tmp_path / "real"
+    ran = cli("main", *BASE_ARGS, "--data", "sample", "--out", str(real), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads((real / "config.json").read_text())["experiment"]["live"]["data"] == "sample"
+    at_mean, with_data = (pl.read_parquet(d / "tasks.parquet") for d in (out, real))
+    same = ["t", "route", "answered", "correct", "calls", "completion_tokens"]
+    assert at_mean.select(same).equals(with_data.select(same))
+    assert (at_mean["prompt_tokens"] != with_data["prompt_tokens"]).mean() > 0.9
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input: exit status 2, one line on stderr, nothing written
 # ----------------------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def task_step(params: AgentNetParams, emu: C.Emu, world: C.World, state: AgentNe
             decide_ok = (uc[D.U_MAIN] < emu.p_decide[role]) | (not params.router_uses_p_decide)
             j, _ = router_decision(params, state, world.adjacency, path.agent, jnp.maximum(s, 0), ty, decide_ok,
                                    uc[D.U_AUX], d.route[v, D.HOP_TIE])  # fmt: skip
-            prompt = emu.prompt[role, C.K_ROUTER] + emu.question_tokens + path.draft_tokens
+            prompt = emu.prompt[role, C.K_ROUTER] + world.question_tokens[t - 1] + path.draft_tokens
             completion, request = C.completion_tokens(emu, role, C.K_ROUTER, uc[D.U_TOKENS]), -1
         call = C.make_call(asked, C.K_ROUTER, v, path.agent, role, prompt, completion, ability=s,
                            correct=(j >= 0) & world.holds[jnp.maximum(j, 0), jnp.maximum(s, 0)],

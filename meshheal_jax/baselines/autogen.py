@@ -113,7 +113,7 @@ def task_step(
             else:
                 ok = u[D.U_MAIN] < emu.p_decide[role_m]
                 w = speaker_selection(world.holds, workers, s, ok, u[D.U_AUX])
-                prompt = emu.prompt[role_m, C.K_SELECT] + emu.question_tokens + draft_tokens
+                prompt = emu.prompt[role_m, C.K_SELECT] + world.question_tokens[t - 1] + draft_tokens
                 completion, request = C.completion_tokens(emu, role_m, C.K_SELECT, u[D.U_TOKENS]), -1
             if attempt > 0:
                 w = jnp.where(asked, w, named[-1])
@@ -140,7 +140,7 @@ def task_step(
     else:
         ok, answer_id = compose(p_corrupt[role_m], gen.answer_ok, gen.answer_id, u[D.U_MAIN],
                                 C.distractor(emu, role_m, u[D.U_DISTRACTOR]))  # fmt: skip
-        prompt = emu.prompt[role_m, C.K_COMPOSE] + emu.question_tokens + draft_tokens + gen.tokens
+        prompt = emu.prompt[role_m, C.K_COMPOSE] + world.question_tokens[t - 1] + draft_tokens + gen.tokens
         completion, request = C.completion_tokens(emu, role_m, C.K_COMPOSE, u[D.U_TOKENS]), -1
     calls.append(C.make_call(True, C.K_COMPOSE, 2 * PARTS, m, role_m, prompt, completion, author=m,
                              answer_id=answer_id, correct=ok.astype(jnp.int32), request=request))  # fmt: skip

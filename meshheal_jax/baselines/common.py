@@ -217,6 +217,7 @@ class World:
     hop_distance: jax.Array  # (N, A) int32 hops to the nearest holder (static graph), INF if none
     task_type: jax.Array  # (n_tasks,) int32
     difficulty: jax.Array  # (n_tasks,) int32 difficulty bin of each task's question [backend only]
+    question_tokens: jax.Array  # (n_tasks,) int32 tokens of each task's question [backend only]
     true_pair: jax.Array  # (T,) int32 documented pair of each task type
     pair_abilities: jax.Array  # (P, A) bool, P padded to T
     pair_valid: jax.Array  # (P,) bool
@@ -242,7 +243,6 @@ class Emu:
     distractor_thr: jax.Array  # (2, n_distractors)
     completion: jax.Array  # (2, len(KINDS), 2 [min, max]) int32
     prompt: jax.Array  # (2, len(KINDS)) int32 template tokens
-    question_tokens: jax.Array  # () int32
     live: bool = static_field(False)  # True: the calls go to the live host (`live_reply`), not the emulator
 
 
@@ -273,6 +273,7 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> Wo
         hop_distance=on_device(hop_distances(network.holds, network.adjacency), np.int32),
         task_type=on_device(stream.task_type, np.int32), true_pair=on_device(true_pair, np.int32),
         difficulty=on_device(stream.difficulty, np.int32),
+        question_tokens=on_device(stream.question_tokens_or(profile.question_tokens), np.int32),
         pair_abilities=on_device(pair_abilities, bool),
         pair_valid=on_device(np.arange(n_types) < len(profile.pairs), bool),
         type_abilities=on_device(pair_abilities[true_pair], bool),
@@ -294,7 +295,7 @@ def make_emu(pair: Pair, profile: Profile, live: bool = False) -> Emu:
         distractor_thr=f([m.distractor_thresholds() for m in models]),
         completion=on_device([[m.completion_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], np.int32),
         prompt=on_device([[m.prompt_tokens[TOKEN_SOURCE[k]] for k in KINDS] for m in models], np.int32),
-        question_tokens=on_device(profile.question_tokens, np.int32), live=live,
+        live=live,
     )  # fmt: skip
 
 
@@ -527,7 +528,7 @@ def emulate_infer(emu: Emu, world: World, agent, t, task_type, u_infer, visit=0,
     ok = (u_infer[D.INFER_CORRECT] < emu.p_infer[role]) | ~others.any()
     inferred = jnp.where(ok, true_pair, pick_from_mask(u_infer[D.INFER_WRONG_PAIR], others)).astype(jnp.int32)
     call = make_call(
-        valid, K_INFER, visit, agent, role, emu.prompt[role, K_INFER] + emu.question_tokens,
+        valid, K_INFER, visit, agent, role, emu.prompt[role, K_INFER] + world.question_tokens[t - 1],
         completion_tokens(emu, role, K_INFER, u_infer[D.INFER_TOKENS]), correct=ok.astype(jnp.int32),
     )  # fmt: skip
     return inferred, ok, call
@@ -564,7 +565,7 @@ def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, final
     answer_ok = answer_ok & finalize
     answer_id = jnp.where(finalize, jnp.where(answer_ok, 0, distractor(emu, role, u[D.U_DISTRACTOR])), -1)
     completion = completion_tokens(emu, role, kind, u[D.U_TOKENS])
-    prompt = emu.prompt[role, kind] + emu.question_tokens + draft_tokens
+    prompt = emu.prompt[role, kind] + world.question_tokens[t - 1] + draft_tokens
     call = make_call(
         valid, kind, visit, agent, role, prompt, completion, author=agent, ability=ability, answer_id=answer_id,
         correct=jnp.where(finalize, answer_ok, part_ok).astype(jnp.int32),

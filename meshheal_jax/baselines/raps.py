@@ -117,7 +117,12 @@ def task_step(params: RAPSParams, emu: C.Emu, world: C.World, state: RAPSState, 
             score, prompt, completion, request, correct = r.score, r.prompt, r.completion, r.request, -1
         else:
             score = C.review_score(emu, world, t, role, path.out_role, path.out_ok, u[D.U_MAIN])
-            prompt = emu.prompt[role, C.K_WATCHDOG] + emu.question_tokens + path.out_context + path.out_tokens
+            prompt = (
+                emu.prompt[role, C.K_WATCHDOG]
+                + world.question_tokens[t - 1]
+                + path.out_context
+                + path.out_tokens
+            )
             completion = C.completion_tokens(emu, role, C.K_WATCHDOG, u[D.U_TOKENS])
             request, correct = -1, path.out_ok.astype(jnp.int32)
         bad = watchdog_verdict(params, score)

@@ -176,7 +176,10 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
             scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
             eval_completion = C.completion_tokens(emu, judge, C.K_EVALUATE, u_eval[..., D.U_TOKENS])
             eval_prompt = (
-                emu.prompt[judge, C.K_EVALUATE] + emu.question_tokens + tokens[:, None] + tokens[others]
+                emu.prompt[judge, C.K_EVALUATE]
+                + world.question_tokens[t - 1]
+                + tokens[:, None]
+                + tokens[others]
             )
             eval_request = -1
         dropped = filter_answers(params.max_filtered, scores, anchor, valid)
@@ -195,7 +198,7 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
             wrong_id = jnp.where(ok, C.distractor(emu, refiner, u_ref[:, D.U_DISTRACTOR]), ids)
             new_ids = jnp.where(answered, jnp.where(new_ok, 0, wrong_id), -1).astype(jnp.int32)
             ref_completion = C.completion_tokens(emu, refiner, C.K_REFINE, u_ref[:, D.U_TOKENS])
-            ref_prompt = (emu.prompt[refiner, C.K_REFINE] + emu.question_tokens + tokens
+            ref_prompt = (emu.prompt[refiner, C.K_REFINE] + world.question_tokens[t - 1] + tokens
                           + jnp.sum(jnp.where(retained, tokens[others], 0), axis=1))  # fmt: skip
             ref_request = -1
         evaluations = C.make_call(valid, C.K_EVALUATE, visit, fin[:, None], judge, eval_prompt, eval_completion,
