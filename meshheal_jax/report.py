@@ -448,6 +448,29 @@ def _common_flags(exp: dict, pair: str) -> list[str]:
     for key, value in (exp.get("protocol") or {}).items():
         if key in defaults and value != defaults[key]:
             flags += [f"--protocol.{key.replace('_', '-')}", str(value)]
+    return flags + _backend_flags(exp)
+
+
+def _backend_flags(exp: dict) -> list[str]:
+    """The backend and the live settings that decide results (servers, models, questions); where
+    the servers run a rerun may differ, but the flags name the ones the run used."""
+    live = exp.get("live") or {}
+    flags = ["--backend", "live"] if exp.get("backend") == "live" else []
+    for key, flag in (("strong_urls", "--strong-url"), ("weak_urls", "--weak-url")):
+        if live.get(key):
+            flags += [flag, ",".join(live[key])]
+    for key in ("strong_model", "weak_model", "max_tokens"):
+        if live.get(key) is not None:
+            flags += ["--" + key.replace("_", "-"), str(live[key])]
+    if live and (exp.get("backend") != "live" or live.get("data", "hub") != "hub"):
+        flags += ["--data", str(live.get("data", "hub"))]
+    if exp.get("backend") == "live" and live.get("reasoning_effort", "medium") != "medium":
+        flags += ["--reasoning-effort", str(live["reasoning_effort"])]
+    for field, flag in (("hub_id", "--hub-id"), ("split", "--hub-split"), ("config", "--hub-config"),
+                        ("revision", "--hub-revision")):  # fmt: skip
+        given = [f"{d}={source[field]}" for d, source in (live.get("hub") or {}).items() if source.get(field)]
+        if given:
+            flags += [flag, *given]
     return flags
 
 

@@ -122,6 +122,24 @@ def test_reproduce_commands_carry_protocol_changes_and_argv():
     assert given[0] == "python -m meshheal_jax.sweep --alpha 1 2"
 
 
+def test_reproduce_commands_carry_the_backend_and_where_questions_come_from():
+    base = dict(name="main", datasets=("math",), pairs=("default",), seeds=(0,))
+    live = runner.Experiment(**base, backend="live", live=runner.LiveSettings(
+        ("http://a:8000/v1", "http://b:8000/v1"), ("http://c:8001/v1",), strong_model="openai/gpt-oss-120b",
+        reasoning_effort="high", max_tokens=512))  # fmt: skip
+    (command, _) = report.reproduce_commands({"experiment": live.to_json()})
+    assert command.endswith(
+        "--backend live --strong-url http://a:8000/v1,http://b:8000/v1 --weak-url http://c:8001/v1 "
+        "--strong-model openai/gpt-oss-120b --max-tokens 512 --reasoning-effort high "
+        "--hub-id math=EleutherAI/hendrycks_math --hub-split math=test --datasets math --tasks 504 --degraded 2 4"
+    )
+    emulated = runner.Experiment(**base, live=runner.LiveSettings((), (), data="sample"))
+    (command, _) = report.reproduce_commands({"experiment": emulated.to_json()})
+    assert "--backend" not in command and "--data sample --datasets math" in command
+    (command, _) = report.reproduce_commands({"experiment": runner.Experiment(**base).to_json()})
+    assert "--backend" not in command and "--data " not in command
+
+
 def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
     run_dir = tmp_path / "scale"
     run_dir.mkdir()
