@@ -284,6 +284,8 @@ class Experiment:
                     "(an emulated run takes only --data and --hub-*, to count its questions' tokens)"
                 )
             self.live.validate_questions()
+            for dataset in self.datasets:  # read now (kept for the run): a bad source writes nothing
+                _emulated_questions(self.live, dataset, self.profiles_dir)
         profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)

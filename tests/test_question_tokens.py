@@ -93,3 +93,11 @@ def test_an_emulated_run_takes_only_where_questions_come_from():
     missing = dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="/no/such/folder"))
     with pytest.raises(MeshHealError, match="--data must be hub, sample or an existing folder"):
         missing.validate()
+
+
+def test_an_emulated_runs_questions_are_read_when_it_is_validated(tmp_path):
+    """A malformed data file fails the run before it writes anything (validate reads the rows)."""
+    (tmp_path / "mmlu_pro.jsonl").write_text('{"oops": 1}\n')
+    broken = dataclasses.replace(EXP, live=runner.LiveSettings((), (), data=str(tmp_path)))
+    with pytest.raises(MeshHealError, match=r"mmlu_pro.jsonl, row 1: missing field 'question'"):
+        broken.validate()
