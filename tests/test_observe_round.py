@@ -112,7 +112,7 @@ def test_observe_round_equals_one_by_one(detector, width, later_width, data):
 def test_first_wave_on_a_hand_built_round():
     # a path 0 - 1 - 2 - 3 (neighbour tables padded with -1); slots in task order 0..4
     world = engine.World(holds=None, nbr=jnp.asarray([[1, -1], [0, 2], [1, 3], [2, -1]], jnp.int32), task_type=None, difficulty=None,
-                         true_pair=None, pair_abilities=None, pair_valid=None, degraded_from=None,
+                         question_tokens=None, true_pair=None, pair_abilities=None, pair_valid=None, degraded_from=None,
                          degraded_until=None, seed=None, dataset_id=None)  # fmt: skip
     authors = jnp.asarray([0, 2, 1, 3, 0], jnp.int32)
     evidence = jnp.asarray([True, True, True, False, False])
