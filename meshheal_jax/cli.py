@@ -128,9 +128,11 @@ def per_dataset(value, source: str, placeholder: str) -> dict[str, str]:
 def live_settings(flags: CommonFlags):
     """The runner's LiveSettings from --live-config and the live flags (flags win); None when no
     live setting is given at all (the runner then says what --backend live needs)."""
-    from meshheal_jax.data import DATASETS
-    from meshheal_jax.runner import DEFAULT_REASONING_EFFORT, HubSource, LiveSettings
+    return _settings(_live_doc(flags), flags)
 
+
+def _live_doc(flags: CommonFlags) -> dict:
+    """The live settings given (--live-config's keys, then the flags), by LIVE_KEYS name."""
     doc: dict = {}
     if flags.live_config is not None:
         try:
@@ -158,6 +160,13 @@ def live_settings(flags: CommonFlags):
         doc.pop(key, None)
         if merged:
             doc[key] = merged
+    return doc
+
+
+def _settings(doc: dict, flags: CommonFlags):
+    from meshheal_jax.data import DATASETS
+    from meshheal_jax.runner import DEFAULT_REASONING_EFFORT, HubSource, LiveSettings
+
     if not doc:
         return None
     source = f"--live-config {flags.live_config}" if flags.live_config is not None else "live settings"
@@ -189,8 +198,19 @@ def live_settings(flags: CommonFlags):
 
 
 def backend_fields(flags: CommonFlags) -> dict:
-    """The Experiment fields of the backend flags (every experiment passes them through)."""
-    return {"backend": flags.backend, "live": live_settings(flags)}
+    """The Experiment fields of the backend flags (every experiment passes them through). An
+    emulated run takes only where its questions come from (--data, with --hub-* for hub), to
+    count their tokens; any other live setting given, even at its default, is refused."""
+    doc = _live_doc(flags)
+    if flags.backend != "live" and doc:
+        served = sorted(set(doc) - {"data", *HUB_KEYS})
+        if served:
+            raise MeshHealError(f"live server settings were given ({', '.join(served)}) but the backend is "
+                                "emulated: add --backend live (an emulated run takes only --data and --hub-*)")  # fmt: skip
+        if "data" not in doc:
+            raise MeshHealError("--hub-* settings were given to an emulated run without --data: add --data hub "
+                                "to count the hub questions' tokens")  # fmt: skip
+    return {"backend": flags.backend, "live": _settings(doc, flags)}
 
 
 def _warning_line(message, category, filename, lineno, line=None) -> str:

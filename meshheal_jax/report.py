@@ -515,6 +515,11 @@ def reproduce_commands(config: dict, run_dir: Path | None = None) -> list[str]:
                 if exp.get("sparse") or exp.get("topology") == "sparse":
                     flags.append("--sparse")
             commands.append(shlex.join([*module.split(), *flags]))
+    live = exp.get("live") or {}
+    served = {role: live.get(f"{role}_served_name") for role in ("strong", "weak")}
+    if any(served.values()) and not config.get("argv"):  # no flag: --live-config sets them
+        names = ", ".join(f"{role}_served_name = {json.dumps(name)}" for role, name in served.items() if name)
+        commands = [f"{c}  # and a --live-config FILE holding {names}" for c in commands]
     target = "RUN_DIR" if run_dir is None else str(run_dir)
     commands.append(shlex.join(["python", "-m", "meshheal_jax.report", target]))
     return commands

@@ -450,8 +450,8 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                 comparable(previous.get("experiment")),
                 comparable(json.loads(json.dumps(exp.to_json()))),
             )
-            if before != now:
-                changed = ", ".join(differences(before or {}, now or {})[:6])
+            changed = ", ".join(differences(before or {}, now or {})[:6])  # a key missing before: None
+            if changed:
                 raise MeshHealError(
                     f"output folder {out} holds a run of a different configuration ({changed} differ); "
                     "choose another --out"
@@ -481,8 +481,8 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
 
 
 def input_digests(exp: Experiment) -> dict[str, dict]:
-    """Every input file the run reads (profiles, emulator model files, an edge list), by role: its
-    path and the sha256 of its contents. A resumed run must read what the finished streams were
+    """Every input file the run reads (profiles, emulator model files, an edge list; an emulated
+    run's --data questions, as the records read), by role: its path and the sha256 of its contents. A resumed run must read what the finished streams were
     made from; the folder paths alone are in the configuration, not what the files hold. A live
     run's model files are left out: its calls go to the servers, no emulator number is read."""
     files = {f"profile {d}": profile_path(d, exp.profiles_dir) for d in exp.datasets}
@@ -490,8 +490,17 @@ def input_digests(exp: Experiment) -> dict[str, dict]:
         files |= {f"model file {m}": model_path(m, exp.params_dir) for m in PAIRS[pair]}
     if exp.edges_file is not None:
         files["edge list"] = Path(exp.edges_file)
-    return {role: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-            for role, path in files.items()}  # fmt: skip
+    out = {role: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+           for role, path in files.items()}  # fmt: skip
+    if exp.backend == "emulated" and exp.live is not None:  # --data: the questions' texts count their tokens
+        for d in exp.datasets:
+            records = _emulated_questions(exp.live, d, exp.profiles_dir)
+            text = json.dumps([(r.question, r.task_type, r.options, r.gold) for r in records])
+            out[f"questions {d}"] = {
+                "path": exp.live.data,
+                "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            }
+    return out
 
 
 def differences(before: dict, now: dict, prefix: str = "") -> list[str]:

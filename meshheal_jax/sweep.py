@@ -46,7 +46,7 @@ import tyro
 from rich.progress import Progress
 
 from meshheal_jax import metrics, runner
-from meshheal_jax.cli import CommonFlags, entrypoint, fmt, new_table, print_table
+from meshheal_jax.cli import CommonFlags, entrypoint, fmt, live_settings, new_table, print_table
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
@@ -599,6 +599,9 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
     if cfg.backend != "emulated":
         raise MeshHealError("a sweep runs on the emulator (one compiled program over the grid); "
                             "run single configurations live with main / recovery / ablate / detectors / scale")  # fmt: skip
+    if live_settings(cfg) is not None:
+        raise MeshHealError("a sweep takes no --data, --hub-* or live settings: its questions count the profile's "
+                            "mean tokens (decisions X4); run main / recovery / ... --data for real questions")  # fmt: skip
     return runner.Experiment(
         name="sweep", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine="jax",
         slots=cfg.slots, n_tasks=cfg.tasks, degraded=runner.degraded_or_targets(cfg.degraded, cfg.datasets, cfg.profiles_dir), protocol=cfg.protocol,

@@ -10,6 +10,8 @@ MeshHeal engines (which must still agree exactly) and on every baseline.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import numpy as np
 import polars as pl
@@ -101,3 +103,61 @@ def test_an_emulated_runs_questions_are_read_when_it_is_validated(tmp_path):
     broken = dataclasses.replace(EXP, live=runner.LiveSettings((), (), data=str(tmp_path)))
     with pytest.raises(MeshHealError, match=r"mmlu_pro.jsonl, row 1: missing field 'question'"):
         broken.validate()
+
+
+def _main_flags(*args: str):
+    import tyro
+
+    from meshheal_jax import main
+
+    return tyro.cli(main.MainConfig, args=list(args))
+
+
+def test_the_cli_gives_an_emulated_run_only_where_its_questions_come_from():
+    from meshheal_jax import cli
+
+    assert cli.backend_fields(_main_flags("--data", "sample"))["live"] == runner.LiveSettings(
+        (), (), data="sample"
+    )
+    assert cli.backend_fields(_main_flags())["live"] is None
+    with pytest.raises(MeshHealError, match=r"given \(reasoning_effort\) but the backend is emulated"):
+        cli.backend_fields(_main_flags("--reasoning-effort", "medium"))  # a default, given, is still given
+    with pytest.raises(MeshHealError, match="without --data: add --data hub"):
+        cli.backend_fields(_main_flags("--hub-id", "math=a/b"))
+
+
+def test_a_sweep_refuses_data():
+    import tyro
+
+    from meshheal_jax import sweep
+
+    with pytest.raises(MeshHealError, match="a sweep takes no --data"):
+        sweep.experiment(tyro.cli(sweep.SweepConfig, args=["--grid", "alpha=1.0,1.2", "--data", "sample"]))
+
+
+def test_a_resume_refuses_other_question_files(tmp_path):
+    """The questions' texts decide an emulated --data run's tokens: their digest is one of its inputs."""
+    folder = tmp_path / "data"
+    shutil.copytree(data.SAMPLE_DIR / "mmlu_pro", folder)
+    exp = dataclasses.replace(EXP, live=runner.LiveSettings((), (), data=str(folder)))
+    out = runner.prepare_run_dir(exp, tmp_path / "run")
+    assert "questions mmlu_pro" in json.loads((out / "config.json").read_text())["inputs"]
+    assert runner.prepare_run_dir(exp, out) == out  # the same files: resumes
+    (file,) = [p for p in folder.rglob("*") if p.is_file() and p.suffix in data.DATA_SUFFIXES]
+    rows = [json.loads(line) for line in file.read_text().splitlines()]
+    for row in rows:  # (some rows are of types the profile leaves out)
+        row["question"] += " Answer with care."
+    file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runner._emulated_questions.cache_clear()  # a new process would read the files again
+    with pytest.raises(MeshHealError, match="other contents of questions mmlu_pro"):
+        runner.prepare_run_dir(exp, out)
+
+
+def test_a_folder_from_before_live_was_recorded_resumes(tmp_path):
+    out = runner.prepare_run_dir(EXP, tmp_path / "run")
+    config = json.loads((out / "config.json").read_text())
+    del config["experiment"]["live"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert runner.prepare_run_dir(EXP, out) == out
+    with pytest.raises(MeshHealError, match=r"different configuration \(live differ\)"):
+        runner.prepare_run_dir(dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="sample")), out)

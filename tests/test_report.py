@@ -138,6 +138,10 @@ def test_reproduce_commands_carry_the_backend_and_where_questions_come_from():
     assert "--backend" not in command and "--data sample --datasets math" in command
     (command, _) = report.reproduce_commands({"experiment": runner.Experiment(**base).to_json()})
     assert "--backend" not in command and "--data " not in command
+    served = runner.Experiment(**base, backend="live", live=runner.LiveSettings(("http://a/v1",), ("http://b/v1",),
+                                                                                strong_served_name="gpt"))  # fmt: skip
+    (command, _) = report.reproduce_commands({"experiment": served.to_json()})
+    assert command.endswith('--degraded 2 4  # and a --live-config FILE holding strong_served_name = "gpt"')
 
 
 def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
