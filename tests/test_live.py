@@ -306,10 +306,8 @@ def test_round_sent_concurrently_and_capped_by_semaphore():
 
         async with ScriptedServer(delay_s=0.1) as server:  # a semaphore above the round: all at once
             async with LiveClient([strong(server, max_in_flight=64)], retry=FAST_RETRY) as client:
-                started = time.monotonic()
                 await client.run_batch([gen_request(i) for i in range(24)])
-                elapsed = time.monotonic() - started
-            assert server.max_in_flight == 24 and elapsed < 2.0
+            assert server.max_in_flight == 24  # all 24 at the server at once (no clock: a loaded machine)
 
     run(scenario())
 
