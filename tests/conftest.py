@@ -25,8 +25,9 @@ from meshheal_jax import topology
 # The slowest test files first (their summed test times in one process, 2026-12-05: engine 203 s,
 # lanes 177, cli 136, live_server 135, benchmarks 83, sharding 78, live_throughput 75,
 # live_baselines 73; every other file under 60). pytest-xdist's --dist loadfile hands each worker
-# whole files in collection order, so a long file collected last keeps one worker busy while the
-# others have finished; taken first, the short files fill in around them. Within a file, and among
+# whole files in collection order (with --no-loadscope-reorder, pyproject.toml), so a long file
+# collected last keeps one worker busy while the others have finished; taken first, the short
+# files fill in around them. Within a file, and among
 # the other files, the order is pytest's own.
 SLOW_FIRST = ("test_engine.py", "test_lanes.py", "test_cli.py", "test_live_server.py", "test_benchmarks.py",
               "test_sharding.py", "test_live_throughput.py", "test_live_baselines.py")  # fmt: skip
