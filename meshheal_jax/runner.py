@@ -482,9 +482,10 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
 
 def input_digests(exp: Experiment) -> dict[str, dict]:
     """Every input file the run reads (profiles, emulator model files, an edge list; an emulated
-    run's --data questions, as the records read), by role: its path and the sha256 of its contents. A resumed run must read what the finished streams were
-    made from; the folder paths alone are in the configuration, not what the files hold. A live
-    run's model files are left out: its calls go to the servers, no emulator number is read."""
+    run's --data questions, as the records read), by role: its path and the sha256 of its
+    contents. A resumed run must read what the finished streams were made from; the folder paths
+    alone are in the configuration, not what the files hold. A live run's model files are left
+    out: its calls go to the servers, no emulator number is read."""
     files = {f"profile {d}": profile_path(d, exp.profiles_dir) for d in exp.datasets}
     for pair in exp.pairs if exp.backend != "live" else ():  # live calls read no emulator numbers
         files |= {f"model file {m}": model_path(m, exp.params_dir) for m in PAIRS[pair]}
