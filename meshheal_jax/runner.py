@@ -277,6 +277,8 @@ class Experiment:
             self.live.validate()
             if self.engine != "jax":
                 raise MeshHealError("the live backend drives the jax engine's controller: use --engine jax")
+            for dataset in self.datasets:  # read now (kept for the run): a bad source writes nothing
+                read_questions(self.live, dataset, self.profiles_dir)
         elif self.live is not None:
             if not self.live.questions_only():
                 raise MeshHealError(
@@ -284,8 +286,8 @@ class Experiment:
                     "(an emulated run takes only --data and --hub-*, to count its questions' tokens)"
                 )
             self.live.validate_questions()
-            for dataset in self.datasets:  # read now (kept for the run): a bad source writes nothing
-                _emulated_questions(self.live, dataset, self.profiles_dir)
+            for dataset in self.datasets:
+                read_questions(self.live, dataset, self.profiles_dir)
         profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
@@ -482,7 +484,7 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
 
 def input_digests(exp: Experiment) -> dict[str, dict]:
     """Every input file the run reads (profiles, emulator model files, an edge list; an emulated
-    run's --data questions, as the records read), by role: its path and the sha256 of its
+    or live run's questions, as the records read), by role: its path and the sha256 of its
     contents. A resumed run must read what the finished streams were made from; the folder paths
     alone are in the configuration, not what the files hold. A live run's model files are left
     out: its calls go to the servers, no emulator number is read."""
@@ -493,9 +495,9 @@ def input_digests(exp: Experiment) -> dict[str, dict]:
         files["edge list"] = Path(exp.edges_file)
     out = {role: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
            for role, path in files.items()}  # fmt: skip
-    if exp.backend == "emulated" and exp.live is not None:  # --data: the questions' texts count their tokens
+    if exp.live is not None:  # the questions asked (live) or whose texts count their tokens (emulated --data)
         for d in exp.datasets:
-            records = _emulated_questions(exp.live, d, exp.profiles_dir)
+            records = read_questions(exp.live, d, exp.profiles_dir)
             text = json.dumps([(r.question, r.task_type, r.options, r.gold) for r in records])
             out[f"questions {d}"] = {
                 "path": exp.live.data,
@@ -545,16 +547,15 @@ def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int, met
     starts, names = exp.phases()
     stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
     if exp.backend == "emulated" and exp.live is not None:  # --data: the real questions' token counts
-        stream = with_question_tokens(
-            stream, _emulated_questions(exp.live, dataset, exp.profiles_dir), profile
-        )
+        stream = with_question_tokens(stream, read_questions(exp.live, dataset, exp.profiles_dir), profile)
     labels = {"method": method, "dataset": dataset, "pair": pair_name, "seed": seed}
     return network, stream, load_pair(pair_name, exp.params_dir), labels
 
 
 @functools.lru_cache(maxsize=8)
-def _emulated_questions(source: LiveSettings, dataset: str, profiles_dir: Path | None) -> tuple:
-    """An emulated run's questions, read once per dataset for all its streams."""
+def read_questions(source: LiveSettings, dataset: str, profiles_dir: Path | None) -> tuple:
+    """A run's questions of one dataset (LiveSettings.questions), read once per process: when the
+    run is validated, then for its input digests and every batch of its streams."""
     return tuple(source.questions(dataset, profiles_dir))
 
 
@@ -615,7 +616,9 @@ def run_live_streams(
     for dataset, pair_name, seed in streams:
         network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
         specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
-    questions = {d: exp.live.questions(d, exp.profiles_dir) for d in dict.fromkeys(d for d, _, _ in streams)}
+    questions = {
+        d: read_questions(exp.live, d, exp.profiles_dir) for d in dict.fromkeys(d for d, _, _ in streams)
+    }
     (pair_name,) = {p for _, p, _ in streams}
     return live_loop.run_live_streams(
         specs, exp.protocol, exp.live.config(run_dir / "responses.sqlite"), questions, slots=exp.slots,
@@ -636,7 +639,7 @@ def run_baseline_streams(
         from meshheal_jax.backends.live_baselines import run_live_baselines
 
         def run_baseline(method, specs, pair):  # the live variant of the same call
-            questions = {d: exp.live.questions(d, exp.profiles_dir)
+            questions = {d: read_questions(exp.live, d, exp.profiles_dir)
                          for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
             return run_live_baselines(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),
                                       questions, run_dir=run_dir / f"live-{method}-{pair_name}",

@@ -145,15 +145,28 @@ def test_unreachable_server_is_named_and_nothing_is_lost(tmp_path, capsys, monke
 
 
 def test_recovery_and_runner_accept_the_live_backend():
-    cfg = tyro.cli(recovery.RecoveryConfig, args=["--backend", "live", "--strong-url", "http://a/v1",
-                                                  "--weak-url", "http://b/v1", "--methods", "meshheal"])  # fmt: skip
+    cfg = tyro.cli(
+        recovery.RecoveryConfig,
+        args=[
+            "--backend",
+            "live",
+            "--strong-url",
+            "http://a/v1",
+            "--weak-url",
+            "http://b/v1",
+            "--methods",
+            "meshheal",
+            "--data",
+            "sample",
+        ],
+    )  # fmt: skip (validate reads the questions)
     exp = recovery.experiment(cfg)
     exp.validate()
     assert exp.backend == "live" and exp.live.weak_urls == ("http://b/v1",)
     # the URLs and in-flight limit do not change results: a resumed run may use other servers
     a = runner.comparable(json.loads(json.dumps(exp.to_json())))
     moved = runner.Experiment(
-        **{**exp.__dict__, "live": runner.LiveSettings(("http://z/v1",), ("http://y/v1",))}
+        **{**exp.__dict__, "live": runner.LiveSettings(("http://z/v1",), ("http://y/v1",), data="sample")}
     )
     assert runner.comparable(json.loads(json.dumps(moved.to_json()))) == a
 
@@ -228,24 +241,36 @@ def hub_experiment(*args: str, command=main) -> runner.Experiment:
     return exp
 
 
-def test_hub_flags_reach_load_hub_and_the_datasets_loader(monkeypatch):
-    """--hub-id / --hub-split / --hub-config / --hub-revision, per dataset, become load_hub's
-    arguments and then `datasets.load_dataset`'s (a stub here: no hub offline); a dataset not named
-    keeps load_hub's defaults."""
+@pytest.fixture
+def hub_stub(monkeypatch):
+    """`datasets.load_dataset` answering MATH and MMLU-Pro ids from the packaged sample (no hub
+    offline; validating a live run reads its questions); yields the calls it got. The runner's
+    question cache is emptied around the test, so every read goes through the stub."""
     loaded = []
 
     def load_dataset(hub_id, config=None, split=None, **kwargs):
         loaded.append((hub_id, config, split, kwargs))
-        folder = data.SAMPLE_DIR / ("math" if "MATH" in hub_id else "mmlu_pro")
-        name = "math500_sample.jsonl" if "MATH" in hub_id else "mmlu_pro_test_sample.jsonl"
+        is_math = "math" in hub_id.lower()
+        folder = data.SAMPLE_DIR / ("math" if is_math else "mmlu_pro")
+        name = "math500_sample.jsonl" if is_math else "mmlu_pro_test_sample.jsonl"
         return [json.loads(line) for line in (folder / name).open()]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    runner.read_questions.cache_clear()
+    yield loaded
+    runner.read_questions.cache_clear()
+
+
+def test_hub_flags_reach_load_hub_and_the_datasets_loader(monkeypatch, hub_stub):
+    """--hub-id / --hub-split / --hub-config / --hub-revision, per dataset, become load_hub's
+    arguments and then `datasets.load_dataset`'s (a stub here: no hub offline); a dataset not named
+    keeps load_hub's defaults. Validating the run reads them once."""
+    loaded = hub_stub
     exp = hub_experiment("--datasets", "math", "mmlu_pro", "--hub-id", "math=HuggingFaceH4/MATH-500",
                          "--hub-split", "mmlu_pro=validation", "--hub-revision", "math=abc123",
                          "mmlu_pro=refs/convert/parquet", "--hub-config", "math=default")  # fmt: skip
     for dataset in exp.datasets:
-        assert exp.live.questions(dataset, None)  # the sample's rows, mapped and kept
+        assert runner.read_questions(exp.live, dataset, None)  # the sample's rows, mapped and kept
     assert loaded == [("HuggingFaceH4/MATH-500", "default", "test", {"revision": "abc123"}),
                       ("TIGER-Lab/MMLU-Pro", None, "validation", {"revision": "refs/convert/parquet"})]  # fmt: skip
 
@@ -267,7 +292,7 @@ def test_hub_flags_reach_load_hub_and_the_datasets_loader(monkeypatch):
     assert exp.live.hub_source("math").hub_id == "HuggingFaceH4/MATH-500"
 
 
-def test_hub_sources_are_recorded_and_a_resume_with_others_is_refused(tmp_path):
+def test_hub_sources_are_recorded_and_a_resume_with_others_is_refused(tmp_path, hub_stub):
     out = tmp_path / "run"
     exp = hub_experiment("--datasets", "math", "mmlu_pro", "--hub-id", "math=HuggingFaceH4/MATH-500",
                          "--hub-revision", "math=abc123")  # fmt: skip
@@ -297,7 +322,7 @@ def test_hub_sources_are_recorded_and_a_resume_with_others_is_refused(tmp_path):
             runner.prepare_run_dir(hub_experiment("--datasets", "math", "mmlu_pro", *args), out)
 
 
-def test_a_live_folder_from_before_the_effort_and_hub_were_recorded_resumes(tmp_path):
+def test_a_live_folder_from_before_the_effort_and_hub_were_recorded_resumes(tmp_path, hub_stub):
     """Such a folder ran with the defaults (medium, load_hub's ids): the same run, resumable."""
     out = tmp_path / "run"
     exp = hub_experiment("--datasets", "math")
@@ -308,7 +333,7 @@ def test_a_live_folder_from_before_the_effort_and_hub_were_recorded_resumes(tmp_
     (out / "config.json").write_text(json.dumps(config))
     assert runner.prepare_run_dir(exp, out) == out
     with pytest.raises(MeshHealError, match=r"live\.hub\.math\.hub_id differ"):
-        runner.prepare_run_dir(hub_experiment("--datasets", "math", "--hub-id", "math=x/y"), out)
+        runner.prepare_run_dir(hub_experiment("--datasets", "math", "--hub-id", "math=x/math-mirror"), out)
 
 
 def test_live_config_file_keys_and_flags_merge_per_dataset(tmp_path):

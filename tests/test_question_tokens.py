@@ -148,7 +148,7 @@ def test_a_resume_refuses_other_question_files(tmp_path):
     for row in rows:  # (some rows are of types the profile leaves out)
         row["question"] += " Answer with care."
     file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    runner._emulated_questions.cache_clear()  # a new process would read the files again
+    runner.read_questions.cache_clear()  # a new process would read the files again
     with pytest.raises(MeshHealError, match="other contents of questions mmlu_pro"):
         runner.prepare_run_dir(exp, out)
 
@@ -161,3 +161,17 @@ def test_a_folder_from_before_live_was_recorded_resumes(tmp_path):
     assert runner.prepare_run_dir(EXP, out) == out
     with pytest.raises(MeshHealError, match=r"different configuration \(live differ\)"):
         runner.prepare_run_dir(dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="sample")), out)
+
+
+def test_a_live_run_reads_its_questions_when_validated_and_keeps_their_digest(tmp_path):
+    folder = tmp_path / "data"
+    shutil.copytree(data.SAMPLE_DIR / "mmlu_pro", folder)
+    live = runner.LiveSettings(("http://a/v1",), ("http://b/v1",), data=str(folder))
+    exp = dataclasses.replace(EXP, backend="live", live=live)
+    exp.validate()
+    out = runner.prepare_run_dir(exp, tmp_path / "run")
+    assert "questions mmlu_pro" in json.loads((out / "config.json").read_text())["inputs"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "mmlu_pro.jsonl").write_text('{"oops": 1}\n')
+    with pytest.raises(MeshHealError, match="row 1: missing field 'question'"):
+        dataclasses.replace(exp, live=dataclasses.replace(live, data=str(tmp_path / "bad"))).validate()
