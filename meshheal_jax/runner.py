@@ -33,7 +33,14 @@ from rich.progress import Progress
 
 from meshheal_jax import graphs, metrics, reference
 from meshheal_jax.config import ProtocolParams
-from meshheal_jax.data import DATASETS, DEFAULT_HUB_IDS, DEFAULT_SPLITS
+from meshheal_jax.data import (
+    DATASETS,
+    DEFAULT_HUB_IDS,
+    DEFAULT_SPLITS,
+    pick_questions,
+    question_pool,
+    question_tokens,
+)
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
@@ -277,8 +284,6 @@ class Experiment:
             self.live.validate()
             if self.engine != "jax":
                 raise MeshHealError("the live backend drives the jax engine's controller: use --engine jax")
-            for dataset in self.datasets:  # read now (kept for the run): a bad source writes nothing
-                read_questions(self.live, dataset, self.profiles_dir)
         elif self.live is not None:
             if not self.live.questions_only():
                 raise MeshHealError(
@@ -286,8 +291,8 @@ class Experiment:
                     "(an emulated run takes only --data and --hub-*, to count its questions' tokens)"
                 )
             self.live.validate_questions()
-            for dataset in self.datasets:
-                read_questions(self.live, dataset, self.profiles_dir)
+        for dataset in self.datasets if self.live is not None else ():  # read now (kept for the run):
+            read_questions(self.live, dataset, self.profiles_dir)  # a bad source writes nothing
         profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
@@ -547,7 +552,7 @@ def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int, met
     starts, names = exp.phases()
     stream = make_stream(seed, profile.dataset_id, exp.n_tasks, len(profile.task_types), starts, names)
     if exp.backend == "emulated" and exp.live is not None:  # --data: the real questions' token counts
-        stream = with_question_tokens(stream, read_questions(exp.live, dataset, exp.profiles_dir), profile)
+        stream = with_question_tokens(stream, *_pool_tokens(exp.live, dataset, exp.profiles_dir))
     labels = {"method": method, "dataset": dataset, "pair": pair_name, "seed": seed}
     return network, stream, load_pair(pair_name, exp.params_dir), labels
 
@@ -559,14 +564,23 @@ def read_questions(source: LiveSettings, dataset: str, profiles_dir: Path | None
     return tuple(source.questions(dataset, profiles_dir))
 
 
-def with_question_tokens(stream, records, profile):
-    """The stream with the token counts of the questions its ids pick from `records` (the pick the
-    live backend makes: data.pick_questions), spec/emulator.md; docs/decisions.md E7."""
-    from meshheal_jax import data
+@functools.lru_cache(maxsize=8)
+def _pool_tokens(source: LiveSettings, dataset: str, profiles_dir: Path | None) -> tuple[tuple, tuple]:
+    """One dataset's question pool (data.question_pool, per task type) and the tokens of each pooled
+    question (data.question_tokens), counted once per process for every stream and method."""
+    profile = load_profile(dataset, profiles_dir)
+    pool = question_pool(read_questions(source, dataset, profiles_dir), profile.task_types)
+    return pool, tuple(question_tokens(records, dataset) for records in pool)
 
-    pool = data.question_pool(records, profile.task_types)
-    pick = data.pick_questions(pool, stream.task_type, stream.question, stream.seed, stream.dataset_id)
-    return dataclasses.replace(stream, question_tokens=data.question_tokens(pick.records, profile.dataset))
+
+def with_question_tokens(stream, pool, tokens):
+    """The stream with the token counts of the questions its ids pick from `pool` (the pick the live
+    backend makes: data.pick_questions); `tokens`: each pooled question's, per task type
+    (spec/emulator.md; docs/decisions.md E7)."""
+    pick = pick_questions(pool, stream.task_type, stream.question, stream.seed, stream.dataset_id)
+    first = np.cumsum([0, *(len(t) for t in tokens[:-1])])  # each type's offset in the flat array
+    counts = np.concatenate(tokens)[first[stream.task_type] + pick.pool_index]
+    return dataclasses.replace(stream, question_tokens=counts.astype(np.int32))
 
 
 def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:
