@@ -55,16 +55,24 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
 
 
 def run_all(
-    name: str, experiments: dict[str, runner.Experiment], out: Path, progress: bool, lanes: int | None = None
+    name: str,
+    experiments: dict[str, runner.Experiment],
+    out: Path,
+    progress: bool,
+    lanes: int | None = None,
+    checkpoint_every: float = 60.0,
 ) -> dict:
-    """Run (or resume) each experiment in out/<key>/; write and return the combined summary."""
+    """Run (or resume) each experiment in out/<key>/; write and return the combined summary
+    (`lanes`, `checkpoint_every`: runner.run's)."""
     runner.check_lanes(lanes)
     for exp in experiments.values():  # every configuration checked before anything runs
         exp.validate()
     out.mkdir(parents=True, exist_ok=True)
     entries, first = [], None
     for key, exp in experiments.items():
-        results = runner.run(exp, out / key, progress=progress, lanes=lanes)
+        results = runner.run(
+            exp, out / key, progress=progress, lanes=lanes, checkpoint_every=checkpoint_every
+        )
         first = first or results.summary
         for r in results.summary["results"]:
             if r.get("method", "meshheal") != "meshheal":
@@ -160,7 +168,14 @@ def body(cfg: AblateConfig) -> None:
     check_names(tuple(cfg.variants), VARIANTS, "variants")
     out = combined_out("ablate", cfg.out)
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
-    summary = run_all("ablate", experiments, out, progress=not cfg.quiet, lanes=cfg.lanes)
+    summary = run_all(
+        "ablate",
+        experiments,
+        out,
+        progress=not cfg.quiet,
+        lanes=cfg.lanes,
+        checkpoint_every=cfg.checkpoint_every,
+    )
     print_summary(summary)
     print(f"results: {out}")
 

@@ -44,6 +44,10 @@ class CommonFlags:
     """jax engine: run MeshHeal's streams in this many lanes side by side, one thread each sharing one
     compiled program (default: one per CPU core on one CPU device, else 1; 1 = one batch; more than 1 is
     refused with several devices; the same records, floats up to the last bits; docs/decisions.md S7)"""
+    checkpoint_every: float = 60.0
+    """jax engine, emulated: seconds between checkpoints of MeshHeal's unfinished streams (their engine
+    state and records so far, in the run folder's checkpoints/; also written when the run is stopped);
+    rerunning the command goes on from them (0 = after every chunk; docs/decisions.md X1)"""
     backend: Literal["emulated", "live"] = "emulated"
     """emulated (the embedded calibrated emulator) or live (real models behind OpenAI-compatible servers,
     e.g. serving/vllm_pair.sh; every method, the baselines included)"""

@@ -28,6 +28,7 @@ import numpy as np
 import polars as pl
 
 from meshheal_jax import draws as D
+from meshheal_jax.checkpoints import Checkpoints
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.device import on_device, stack
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index
@@ -1633,8 +1634,8 @@ def check_lanes(lanes: int, mesh: jax.sharding.Mesh | None) -> None:
 
 def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool, chunk: int | None = None,
               tables: tuple[str, ...] = TABLES, lanes: int | None = None, mesh: jax.sharding.Mesh | None = None,
-              on_progress=None, timings: dict | None = None,
-              cancel: threading.Event | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+              on_progress=None, timings: dict | None = None, cancel: threading.Event | None = None,
+              checkpoints: Checkpoints | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """The host loop: the streams' rounds, `chunk` per compiled call, until every stream is done;
     per stream the record tables named in `tables`. `cancel`: set by another thread to stop the
     lanes at their next chunk; the call then raises errors.Cancelled.
@@ -1646,7 +1647,9 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     (decisions S7). With a mesh (several devices) use one lane; its streams are padded to the mesh
     and sharded over it. `on_progress(done, total)` is called with the tasks done in all lanes;
     `timings`, when given, receives the slowest lane's seconds: first_call (trace, compile, chunk
-    1), other_calls (the other chunks), records (arrays -> record tables) and calls (count)."""
+    1), other_calls (the other chunks), records (arrays -> record tables) and calls (count).
+    `checkpoints`: each stream starts from its checkpoint when it has one, and is checkpointed
+    every `checkpoints.every_s` seconds and when its lane is stopped (docs/decisions.md X1)."""
     lanes = default_lanes(len(specs), mesh) if lanes is None else lanes
     check_lanes(lanes, mesh)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)  # one shape for every lane
@@ -1669,11 +1672,28 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         p = shard_streams(stack([params[m] for m in members]), mesh) if batched else params
         world = shard_streams(stack([make_world(specs[m].network, specs[m].stream, specs[m].schedule, k_max)
                                      for m in members]), mesh)  # fmt: skip
-        carry = shard_streams(initial_carries(cfg, world), mesh)
+        carry = initial_carries(cfg, world)
         kept: list[list[dict]] = [[] for _ in range(real)]
+        if checkpoints is not None:
+            carry = restore(checkpoints, carry, members, kept)
+        carry = shard_streams(carry, mesh)
+        unsaved = [0] * real  # chunks kept since each stream's last checkpoint
+        saved_at = time.monotonic()
+
+        def save(streams_done: np.ndarray) -> None:
+            host = jax.device_get(carry)  # before the next call: run_rounds donates the carry
+            next_t = np.asarray(host.next_t)
+            for s in range(real):
+                if unsaved[s]:
+                    tasks_done = int(min(next_t[s] - 1, cfg.n_tasks)) if not streams_done[s] else cfg.n_tasks
+                    checkpoints.save(members[s], at(host, s), kept[s][-unsaved[s] :], tasks_done)
+                    unsaved[s] = 0
+
         clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
-        while not done(cfg, carry).all():
+        while not (streams_done := done(cfg, carry)).all():
             if stop.is_set() or (cancel is not None and cancel.is_set()):
+                if checkpoints is not None:
+                    save(streams_done)
                 return None
             start = time.perf_counter()
             carry, records = run_rounds(cfg, p, world, carry, chunk, batched)
@@ -1683,8 +1703,13 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
             start = time.perf_counter()
             records = host_records(cfg, records)
             for s in range(real):
-                kept[s].append(record_frames(specs[members[s]], at(records, s), tables))
+                if not streams_done[s]:  # a stream done before this chunk has no records in it
+                    kept[s].append(record_frames(specs[members[s]], at(records, s), tables))
+                    unsaved[s] += 1
             clock["records"] += time.perf_counter() - start
+            if checkpoints is not None and checkpoints.due(saved_at):
+                save(done(cfg, carry))
+                saved_at = time.monotonic()
             if on_progress is not None:
                 with lock:
                     done_tasks[k] = int(np.minimum(np.asarray(carry.next_t)[:real] - 1, cfg.n_tasks).sum())
@@ -1714,16 +1739,38 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     return [frames for per_stream, _ in finished for frames in per_stream]
 
 
+def restore(checkpoints: Checkpoints, carry: Carry, members: list[int], kept: list[list]) -> Carry:
+    """A lane's first carry with each stream that has a checkpoint (`checkpoints.restore`) set to
+    it, that stream's records so far added to `kept` (members: the lane's streams, padding
+    copies included; kept: one list per real stream)."""
+    host = jax.tree.map(np.array, jax.device_get(carry))  # writable copies
+    restored = {}
+    for s, m in enumerate(members):
+        if m not in restored:
+            restored[m] = checkpoints.restore(m, at(host, s))
+            if restored[m] is not None:
+                kept[s].extend(restored[m][1])
+        if restored[m] is not None:
+            for leaf, value in zip(
+                jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(restored[m][0])
+            ):
+                leaf[s] = value
+    if not any(r is not None for r in restored.values()):
+        return carry
+    return jax.tree.map(jnp.asarray, host)
+
+
 def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 1, chunk: int | None = None,
                 tables: tuple[str, ...] = TABLES, on_progress=None, shard: bool | None = None,
-                lanes: int | None = None, cancel: threading.Event | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
+                lanes: int | None = None, cancel: threading.Event | None = None,
+                checkpoints: Checkpoints | None = None) -> list[dict[str, pl.DataFrame]]:  # fmt: skip
     """Run streams of one shape, `chunk` rounds per compiled call, in `lanes` lanes side by side
     (`run_batch`'s defaults: `default_chunk` of a lane's width, `default_lanes`, one per CPU core).
 
     Returns per stream the record tables named in `tables` (polars frames with metrics.SCHEMAS).
     With several devices (`stream_mesh(shard)`), the streams are sharded over them in one lane;
     when their number is not a multiple of the devices, the last stream is repeated to fill the
-    mesh and its copies are dropped. `cancel`: as `run_batch`'s."""
+    mesh and its copies are dropped. `cancel`, `checkpoints`: as `run_batch`'s."""
     cfg = engine_config(specs, protocol, slots)
     batched = params_per_stream(specs)
     if batched:
@@ -1731,7 +1778,7 @@ def run_streams(specs: list[StreamSpec], protocol: ProtocolParams, slots: int = 
     else:
         params = make_params(protocol, specs[0].pair, specs[0].network.profile, cfg.n_agents)
     return run_batch(cfg, specs, params, batched, chunk, tables, lanes, stream_mesh(shard), on_progress,
-                     cancel=cancel)  # fmt: skip
+                     cancel=cancel, checkpoints=checkpoints)  # fmt: skip
 
 
 def _empty(table: str) -> pl.DataFrame:

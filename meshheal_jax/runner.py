@@ -32,6 +32,7 @@ import polars as pl
 from rich.progress import Progress
 
 from meshheal_jax import graphs, metrics, reference
+from meshheal_jax.checkpoints import Checkpoints
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.data import (
     DATASETS,
@@ -546,6 +547,10 @@ def _part_dir(run_dir: Path, method: str, dataset: str, pair: str, seed: int) ->
     return run_dir / "parts" / f"{method}-{dataset}-{pair}-seed{seed}"
 
 
+def _checkpoint_dir(run_dir: Path, method: str, dataset: str, pair: str, seed: int) -> Path:
+    return run_dir / "checkpoints" / _part_dir(run_dir, method, dataset, pair, seed).name
+
+
 def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int, method: str = "meshheal"):
     profile = load_profile(dataset, exp.profiles_dir)
     network = exp.network(dataset)
@@ -596,10 +601,12 @@ def run_jax_streams(
     on_progress=None,
     lanes: int | None = None,
     cancel: threading.Event | None = None,
+    checkpoints: Checkpoints | None = None,
 ) -> list[dict[str, pl.DataFrame]]:
     """The JAX engine: MeshHeal streams (dataset, pair, seed) of one pair as one vmapped program,
     in `lanes` lanes side by side (engine.run_streams; default one per CPU core). `cancel`: set
-    from another thread to stop at the next chunk (errors.Cancelled)."""
+    from another thread to stop at the next chunk (errors.Cancelled). `checkpoints`: the streams'
+    checkpoint folders, in `streams`' order (engine.run_batch)."""
     from meshheal_jax import engine  # imported here: the reference path needs no compilation
 
     specs = []
@@ -614,6 +621,7 @@ def run_jax_streams(
         on_progress=on_progress,
         lanes=lanes,
         cancel=cancel,
+        checkpoints=checkpoints,
     )
 
 
@@ -714,18 +722,25 @@ def check_lanes(lanes: int | None) -> None:
         engine.check_lanes(lanes, engine.stream_mesh())
 
 
-def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: int | None = None) -> Results:
+def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: int | None = None,
+        checkpoint_every: float = 60.0) -> Results:  # fmt: skip
     """Run (or resume) an experiment; append each finished stream to the run folder. `lanes`: the
     JAX engine's MeshHeal streams of a pair run in that many lanes side by side, one thread each
-    (default: one per CPU core; docs/decisions.md S7); the same records, floats up to the last bits."""
+    (default: one per CPU core; docs/decisions.md S7); the same records, floats up to the last bits.
+    `checkpoint_every`: seconds between checkpoints of the JAX engine's unfinished MeshHeal streams
+    (run_dir/checkpoints; also written when the run is stopped; 0 = after every chunk); a rerun
+    goes on from them (docs/decisions.md X1)."""
     exp.validate()
     check_lanes(lanes)
+    if not checkpoint_every >= 0:
+        raise MeshHealError(f"--checkpoint-every must be >= 0 seconds, got {checkpoint_every}")
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
         _write_part(_part_dir(run_dir, *stream), frames)
+        shutil.rmtree(_checkpoint_dir(run_dir, *stream), ignore_errors=True)  # the part holds it all now
         finished[stream] = frames
 
     with Progress(disable=not progress, transient=True) as bar:
@@ -759,8 +774,11 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                         bar.update(job, description=f"{exp.name}: meshheal, jax engine, pair={pair}, "
                                                     f"{len(batch)} streams, {done:,}/{total:,} tasks")  # fmt: skip
 
+                    saves = Checkpoints(
+                        [_checkpoint_dir(run_dir, "meshheal", *s) for s in batch], checkpoint_every
+                    )
                     jobs.append(("meshheal", batch,
-                                 functools.partial(run_jax_streams, exp, batch, tick, lanes, cancel)))  # fmt: skip
+                                 functools.partial(run_jax_streams, exp, batch, tick, lanes, cancel, saves)))  # fmt: skip
             jobs += _baseline_jobs(exp, todo, run_dir)
             bar.update(job, description=f"{exp.name}: {len(jobs)} compiled batches (meshheal, baselines)")
             _run_side_by_side(jobs, keep, lambda: bar.advance(job), cancel)
@@ -777,6 +795,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
         return pl.concat([finished[s][name] if s in finished else pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet")
                           for s in exp.streams()])  # fmt: skip
 
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # every stream has its part
     frames = {name: whole(name) for name in TABLES}
     with ThreadPoolExecutor(1) as pool:  # the whole tables are written while the summary is computed
         written = pool.submit(_write_tables, run_dir, frames)

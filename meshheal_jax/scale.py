@@ -102,7 +102,13 @@ def body(cfg: ScaleConfig) -> None:
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
         start = time.perf_counter()
-        run = runner.run(exp, out / topology, progress=not cfg.quiet, lanes=cfg.lanes)
+        run = runner.run(
+            exp,
+            out / topology,
+            progress=not cfg.quiet,
+            lanes=cfg.lanes,
+            checkpoint_every=cfg.checkpoint_every,
+        )
         wall = time.perf_counter() - start
         engine, backend, slots = run.summary["engine"], run.summary["backend"], run.summary["slots"]
         for r in run.summary["results"]:

@@ -1,0 +1,146 @@
+"""Checkpoints of unfinished streams (meshheal_jax/checkpoints.py; docs/decisions.md X1): a batch
+stopped or crashed between chunks goes on from its last checkpoint, and its streams' records equal
+an uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import polars as pl
+import pytest
+
+from meshheal_jax import engine, runner
+from meshheal_jax.checkpoints import Checkpoints, CheckpointWarning
+from meshheal_jax.errors import Cancelled
+
+CHUNK = 16  # rounds per compiled call: a 6-agent 84-task stream takes ~30 of them
+
+
+@pytest.fixture(scope="module")
+def batch():
+    exp = runner.Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0, 1), n_tasks=84)
+    specs = []
+    for seed in exp.seeds:
+        network, stream, pair, labels = runner._stream_inputs(exp, "math", "default", seed)
+        specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
+    cfg = engine.engine_config(specs, exp.protocol, 1)
+    params = engine.make_params(exp.protocol, specs[0].pair, specs[0].network.profile, cfg.n_agents)
+    timings: dict = {}
+    whole = engine.run_batch(cfg, specs, params, False, CHUNK, lanes=1, timings=timings)
+    return cfg, specs, params, whole, timings["calls"]
+
+
+def run(batch, saves: Checkpoints, **kw):
+    cfg, specs, params, _, _ = batch
+    timings: dict = {}
+    out = engine.run_batch(
+        cfg, specs, params, False, CHUNK, lanes=1, timings=timings, checkpoints=saves, **kw
+    )
+    return out, timings["calls"]
+
+
+def assert_equal(a: list[dict[str, pl.DataFrame]], b: list[dict[str, pl.DataFrame]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for name in x:
+            assert x[name].height > 0 and x[name].equals(y[name], null_equal=True), name
+
+
+def test_a_stopped_batch_goes_on_from_its_checkpoints(batch, tmp_path):
+    *_, whole, calls = batch
+    folders = [tmp_path / "s0", tmp_path / "s1"]
+    cancel = threading.Event()
+    chunks = []
+
+    def stop_after_three(done: int, total: int) -> None:
+        chunks.append(done)
+        if len(chunks) == 3:
+            cancel.set()
+
+    with pytest.raises(Cancelled):  # never due (an hour): the stop itself writes them
+        run(batch, Checkpoints(folders, every_s=3600), on_progress=stop_after_three, cancel=cancel)
+    for folder in folders:
+        state = json.loads((folder / "state.json").read_text())
+        assert state["saved"] == 1 and 0 < state["tasks_done"] < 84
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "carry-00001.npz", *(f"records-00000.{t}.parquet" for t in sorted(engine.TABLES)), "state.json"
+        ]  # fmt: skip
+    resumed, resumed_calls = run(batch, Checkpoints(folders, every_s=3600))
+    assert resumed_calls == calls - 3  # three chunks were not run again
+    assert_equal(resumed, whole)
+
+
+def test_a_crashed_batch_goes_on_from_its_last_checkpoint(batch, tmp_path, monkeypatch):
+    *_, whole, calls = batch
+    folders = [tmp_path / "s0", tmp_path / "s1"]
+    real, seen = engine.run_rounds, []
+
+    def crash_on_the_fifth_call(*args):
+        seen.append(1)
+        if len(seen) == 5:
+            raise RuntimeError("a crash between two chunks")
+        return real(*args)
+
+    monkeypatch.setattr(engine, "run_rounds", crash_on_the_fifth_call)
+    with pytest.raises(RuntimeError, match="a crash"):
+        run(batch, Checkpoints(folders, every_s=0))  # after every chunk
+    monkeypatch.undo()
+    assert json.loads((folders[0] / "state.json").read_text())["saved"] == 4
+    # a save cut short before its commit leaves files that the next read drops
+    (folders[0] / "records-00004.tasks.parquet").write_bytes(b"half")
+    (folders[0] / "carry-00005.npz").write_bytes(b"half")
+    resumed, resumed_calls = run(batch, Checkpoints(folders, every_s=0))
+    assert resumed_calls == calls - 4
+    assert_equal(resumed, whole)
+    assert not (folders[0] / "carry-00005.npz").exists()
+    # a stream already done at its checkpoint runs no more rounds and keeps its records
+    again, again_calls = run(batch, Checkpoints(folders, every_s=0))
+    assert again_calls == 0
+    assert_equal(again, whole)
+
+
+def test_a_checkpoint_of_another_layout_is_dropped_with_a_warning(batch, tmp_path):
+    *_, whole, calls = batch
+    folders = [tmp_path / "s0", tmp_path / "s1"]
+    cancel = threading.Event()
+    with pytest.raises(Cancelled):
+        run(batch, Checkpoints(folders, every_s=0), on_progress=lambda *_: cancel.set(), cancel=cancel)
+    state = json.loads((folders[1] / "state.json").read_text())
+    state["layout"]["leaves"][0][0] = [7]  # as if written by an engine with other shapes
+    (folders[1] / "state.json").write_text(json.dumps(state))
+    with pytest.warns(CheckpointWarning, match=f"checkpoint {folders[1]} not used .*another layout"):
+        resumed, resumed_calls = run(batch, Checkpoints(folders, every_s=3600))
+    assert resumed_calls == calls  # stream 1 ran from its first task (stream 0 from its chunk 1)
+    assert not folders[1].exists()
+    assert_equal(resumed, whole)
+
+
+def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeypatch):
+    exp = runner.Experiment(name="main", methods=("meshheal",), datasets=("math",), pairs=("default",),
+                            seeds=(0, 1), n_tasks=84)  # fmt: skip
+    whole = runner.run(exp, tmp_path / "whole", progress=False, lanes=1)
+    real, seen = engine.run_rounds, []
+
+    def crash_on_the_second_call(*args):
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("a crash between two chunks")
+        return real(*args)
+
+    monkeypatch.setattr(engine, "run_rounds", crash_on_the_second_call)
+    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="a crash"):
+        runner.run(exp, out, progress=False, lanes=1, checkpoint_every=0)
+    assert not (out / "parts").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "meshheal-math-default-seed0", "meshheal-math-default-seed1"
+    ]  # fmt: skip
+    monkeypatch.setattr(engine, "run_rounds", real)
+    resumed = runner.run(exp, out, progress=False, lanes=1, checkpoint_every=0)
+    assert not (out / "checkpoints").exists()
+    for name in runner.TABLES:
+        assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
+    assert resumed.summary == whole.summary
