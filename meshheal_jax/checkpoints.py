@@ -56,6 +56,9 @@ class Checkpoints:
         if not self.every_s >= 0:
             raise ValueError(f"checkpoint interval must be >= 0 seconds, got {self.every_s}")
 
+    def has(self, m: int) -> bool:
+        return (self.folders[m] / STATE).exists()
+
     def due(self, last: float) -> bool:
         return time.monotonic() - last >= self.every_s
 
@@ -64,7 +67,7 @@ class Checkpoints:
         read: a CheckpointWarning says why and the folder is cleared). `template`: a fresh carry of
         the stream (numpy leaves), which gives the tree and the shapes to expect."""
         folder = self.folders[m]
-        if not (folder / STATE).exists():
+        if not self.has(m):
             return None
         try:
             state = json.loads((folder / STATE).read_text())

@@ -1743,6 +1743,8 @@ def restore(checkpoints: Checkpoints, carry: Carry, members: list[int], kept: li
     """A lane's first carry with each stream that has a checkpoint (`checkpoints.restore`) set to
     it, that stream's records so far added to `kept` (members: the lane's streams, padding
     copies included; kept: one list per real stream)."""
+    if not any(checkpoints.has(m) for m in members):
+        return carry
     host = jax.tree.map(np.array, jax.device_get(carry))  # writable copies
     restored = {}
     for s, m in enumerate(members):
