@@ -231,3 +231,43 @@ def test_a_baseline_through_the_real_server(tiny_server, tmp_path):
     assert calls["prompt_tokens"].sum() == trace["prompt_tokens"].sum() > 0  # real usage, per call
     assert (calls.filter(pl.col("kind") == "select")["parse_status"] == "failed").all()
     assert set(calls["model"].unique()) == {tiny.TINY_MODEL_ID}
+
+
+# A stand-in for the `transformers` command (not a model server): it binds the port it is given
+# and answers /health, or exits as transformers serve does when the port is taken.
+FAKE_SERVE = """#!PYTHON
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError as e:
+    sys.exit(f"ERROR: [Errno 98] error while attempting to bind on address: address already in use ({e})")
+server.serve_forever()
+"""
+
+
+def test_the_tiny_server_takes_another_port_when_its_port_is_taken(tmp_path, monkeypatch):
+    import socket
+    import urllib.request
+
+    exe = tmp_path / "transformers"
+    exe.write_text(FAKE_SERVE.replace("PYTHON", sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setattr(tiny, "transformers_command", lambda: str(exe))
+    with socket.socket() as taken:  # another process got the picked port first
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks, free = iter([busy]), tiny.free_port
+        monkeypatch.setattr(tiny, "free_port", lambda: next(picks, None) or free())
+        with tiny.serve_tiny(tmp_path / "model", timeout_s=30) as url:
+            assert f":{busy}/" not in url
+            with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=5) as reply:
+                assert reply.status == 200
+    assert "address already in use" in (tmp_path / f"transformers-serve-{busy}.log").read_text()

@@ -101,47 +101,66 @@ def serve_tiny(
 ) -> Iterator[str]:
     """Start `transformers serve MODEL_DIR` on 127.0.0.1 (CPU, offline), wait for /health, yield
     its base URL; stop it on exit. Raises RuntimeError with the log's tail when it exits or is not
-    healthy within `timeout_s`."""
+    healthy within `timeout_s`. The port is a free one picked just before the start; should another
+    process take it in between (the server exits with "address already in use"), up to two more
+    ports are tried."""
     model_dir = Path(model_dir)
     exe = transformers_command()
     if exe is None:
         raise RuntimeError("no `transformers` command")
-    port = free_port()
-    log = model_dir.parent / f"transformers-serve-{port}.log"
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *extra_args],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+    for attempt in range(3):
+        port = free_port()
+        log = model_dir.parent / f"transformers-serve-{port}.log"
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(
+                [exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                 *extra_args], stdout=log_file, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        try:
+            if _wait_healthy(proc, port, log, timeout_s, last_try=attempt == 2):
+                break
+        except BaseException:
+            _stop(proc)
+            raise
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"transformers serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"transformers serve not healthy after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}"
-                )
-            time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        proc.terminate()
+        _stop(proc)
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout_s: float, last_try: bool) -> bool:
+    """Wait for the server's /health; False when it exited because its port was taken (and this is
+    not the last try), RuntimeError with the log's tail on any other exit or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text()[-3000:]
+            if not last_try and "address already in use" in tail.lower():
+                return False
+            raise RuntimeError(f"transformers serve exited ({proc.returncode}):\n{tail}")
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"transformers serve not healthy after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}"
+            )
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
