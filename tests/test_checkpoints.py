@@ -120,6 +120,7 @@ def test_a_checkpoint_of_another_layout_is_dropped_with_a_warning(batch, tmp_pat
 def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeypatch):
     exp = runner.Experiment(name="main", methods=("meshheal",), datasets=("math",), pairs=("default",),
                             seeds=(0, 1), n_tasks=84)  # fmt: skip
+    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)  # the program the tests above compiled
     whole = runner.run(exp, tmp_path / "whole", progress=False, lanes=1)
     real, seen = engine.run_rounds, []
 
@@ -130,7 +131,6 @@ def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeyp
         return real(*args)
 
     monkeypatch.setattr(engine, "run_rounds", crash_on_the_second_call)
-    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="a crash"):
         runner.run(exp, out, progress=False, lanes=1, checkpoint_every=0)
@@ -144,3 +144,38 @@ def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeyp
     for name in runner.TABLES:
         assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
     assert resumed.summary == whole.summary
+
+
+def test_ctrl_c_writes_the_checkpoints_and_the_rerun_goes_on_from_them(tmp_path, monkeypatch):
+    """Ctrl-C during a run (the default interval, never due here): the lanes stop at their next
+    chunk and write their checkpoints on the way out (runner._run_side_by_side's cancel)."""
+    import _thread
+    import time
+
+    exp = runner.Experiment(name="main", methods=("meshheal",), datasets=("math",), pairs=("default",),
+                            seeds=(0, 1), n_tasks=84)  # fmt: skip
+    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)
+    whole = runner.run(exp, tmp_path / "whole", progress=False, lanes=1)
+    real, seen = engine.run_rounds, []
+
+    def ctrl_c_during_the_second_call(*args):
+        seen.append(1)
+        if len(seen) == 2:
+            _thread.interrupt_main()  # as a SIGINT would
+            time.sleep(1.0)  # the main thread sets the cancel event before this chunk ends
+        return real(*args)
+
+    monkeypatch.setattr(engine, "run_rounds", ctrl_c_during_the_second_call)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(exp, out, progress=False, lanes=1)
+    assert len(seen) == 2
+    for seed in (0, 1):
+        state = json.loads(
+            (out / "checkpoints" / f"meshheal-math-default-seed{seed}" / "state.json").read_text()
+        )
+        assert state["saved"] == 1  # one checkpoint, written on the way out, after two chunks
+    monkeypatch.setattr(engine, "run_rounds", real)
+    resumed = runner.run(exp, out, progress=False, lanes=1)
+    for name in runner.TABLES:
+        assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
