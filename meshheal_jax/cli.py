@@ -67,6 +67,9 @@ class CommonFlags:
     """the questions: hub (Hugging Face, live's default), sample (the packaged sample) or a folder of
     local benchmark files; an emulated run given one counts each question's tokens from its text
     (characters / 4) instead of the profile's mean"""
+    tokenizer: str | None = None
+    """emulated, with --data: count each question's tokens with this tokenizer (a tokenizer.json, a model
+    folder holding one, or a Hugging Face model id) instead of characters / 4"""
     max_tokens: int | None = None
     """live: cap on every call's max_completion_tokens"""
     reasoning_effort: str | None = None
@@ -94,7 +97,7 @@ class CommonFlags:
 
 LIVE_KEYS = ("strong_url", "weak_url", "strong_model", "weak_model", "strong_served_name", "weak_served_name",
              "max_in_flight", "max_tokens", "data", "reasoning_effort", "hub_id", "hub_split", "hub_config",
-             "hub_revision")  # fmt: skip
+             "hub_revision", "tokenizer")  # fmt: skip
 # the --hub-* keys: the runner.HubSource field each sets and the placeholder its messages show
 HUB_KEYS = {"hub_id": ("hub_id", "ID"), "hub_split": ("split", "SPLIT"), "hub_config": ("config", "CONFIG"),
             "hub_revision": ("revision", "REVISION")}  # fmt: skip
@@ -152,7 +155,8 @@ def _live_doc(flags: CommonFlags) -> dict:
             )
     for key, value in (("strong_url", flags.strong_url), ("weak_url", flags.weak_url), ("data", flags.data),
                        ("max_tokens", flags.max_tokens), ("strong_model", flags.strong_model),
-                       ("weak_model", flags.weak_model), ("reasoning_effort", flags.reasoning_effort)):  # fmt: skip
+                       ("weak_model", flags.weak_model), ("reasoning_effort", flags.reasoning_effort),
+                       ("tokenizer", flags.tokenizer)):  # fmt: skip
         if value or (key in ("max_tokens", "reasoning_effort") and value is not None):  # reach the checks
             doc[key] = value
     for key, (_, placeholder) in HUB_KEYS.items():  # per dataset: a flag's dataset wins over the file's
@@ -179,7 +183,7 @@ def _settings(doc: dict, flags: CommonFlags):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise MeshHealError(f"{source}: {key} must be an integer, got {value!r}")
     for key in ("strong_model", "weak_model", "strong_served_name", "weak_served_name", "data",
-                "reasoning_effort"):  # fmt: skip
+                "reasoning_effort", "tokenizer"):  # fmt: skip
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise MeshHealError(f"{source}: {key} must be a string, got {doc[key]!r}")
 
@@ -195,7 +199,7 @@ def _settings(doc: dict, flags: CommonFlags):
         weak_model=doc.get("weak_model"), strong_served_name=doc.get("strong_served_name"),
         weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 256)),
         max_tokens=doc.get("max_tokens"), data=str(doc.get("data", "hub")),
-        reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT),
+        reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT), tokenizer=doc.get("tokenizer"),
         hub=tuple(HubSource(dataset, **{field: doc.get(key, {}).get(dataset) for key, (field, _) in HUB_KEYS.items()})
                   for dataset in DATASETS if any(dataset in doc.get(key, {}) for key in HUB_KEYS)),
     )  # fmt: skip
@@ -203,17 +207,19 @@ def _settings(doc: dict, flags: CommonFlags):
 
 def backend_fields(flags: CommonFlags) -> dict:
     """The Experiment fields of the backend flags (every experiment passes them through). An
-    emulated run takes only where its questions come from (--data, with --hub-* for hub), to
-    count their tokens; any other live setting given, even at its default, is refused."""
+    emulated run takes only where its questions come from (--data, with --hub-* for hub) and what
+    counts their tokens (--tokenizer); any other live setting given, even at its default, is refused."""
     doc = _live_doc(flags)
     if flags.backend != "live" and doc:
-        served = sorted(set(doc) - {"data", *HUB_KEYS})
+        served = sorted(set(doc) - {"data", "tokenizer", *HUB_KEYS})
         if served:
             raise MeshHealError(f"live server settings were given ({', '.join(served)}) but the backend is "
-                                "emulated: add --backend live (an emulated run takes only --data and --hub-*)")  # fmt: skip
+                                "emulated: add --backend live (an emulated run takes only --data, --hub-* and "
+                                "--tokenizer)")  # fmt: skip
         if "data" not in doc:
-            raise MeshHealError("--hub-* settings were given to an emulated run without --data: add --data hub "
-                                "to count the hub questions' tokens")  # fmt: skip
+            given = "--tokenizer" if "tokenizer" in doc else "--hub-* settings"
+            raise MeshHealError(f"{given} given to an emulated run without --data: add --data hub, sample or "
+                                "a folder, whose questions' tokens it counts")  # fmt: skip
     return {"backend": flags.backend, "live": _settings(doc, flags)}
 
 

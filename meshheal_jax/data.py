@@ -21,6 +21,7 @@ the file, row and field of a malformed row, or the profile task type the data la
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -569,14 +570,50 @@ def pick_questions(
 CHARS_PER_TOKEN = 4  # spec/emulator.md: an emulated question's tokens are its characters / 4
 
 
-def question_tokens(records: Sequence[Record], dataset: str) -> np.ndarray:
+def question_tokens(records: Sequence[Record], dataset: str, tokenizer=None) -> np.ndarray:
     """(N,) int32: the tokens of each record's question as the prompts show it
-    (prompts.format_question: MMLU-Pro's options included), counted as characters / 4 rounded up
-    (spec/emulator.md: no tokenizer is configured; docs/decisions.md E7)."""
+    (prompts.format_question: MMLU-Pro's options included): counted by `tokenizer` (a
+    `tokenizers.Tokenizer`, `load_tokenizer`; no special tokens) when one is configured, else as
+    characters / 4 rounded up (spec/emulator.md; docs/decisions.md E7). At least 1 each."""
     from meshheal_jax import prompts  # prompts reads this module's constants
 
-    texts = (
+    texts = [
         prompts.format_question(prompts.TaskText(dataset, r.question, r.task_type, r.options))
         for r in records
-    )
-    return np.array([max(1, -(-len(text) // CHARS_PER_TOKEN)) for text in texts], dtype=np.int32)
+    ]
+    if tokenizer is not None:
+        counts = (
+            [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)] if texts else []
+        )
+    else:
+        counts = [-(-len(text) // CHARS_PER_TOKEN) for text in texts]
+    return np.array([max(1, c) for c in counts], dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(spec: str):
+    """The `tokenizers.Tokenizer` that counts question tokens (spec/emulator.md: "characters / 4
+    unless a tokenizer is configured"): a tokenizer.json file, a model folder holding one (e.g. a
+    downloaded gpt-oss-120b), or a Hugging Face model id (its tokenizer.json, from the hub or the
+    local cache). Bad input raises MeshHealError naming it."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise MeshHealError("--tokenizer needs the `tokenizers` package: pip install -e .[live]") from None
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+        if not path.is_file():
+            raise MeshHealError(f"--tokenizer {spec}: the folder holds no tokenizer.json")
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- the library raises a bare Exception for a malformed file
+            raise MeshHealError(f"--tokenizer {spec}: not a tokenizers JSON file ({e})") from None
+    if path.suffix == ".json" or spec.startswith((".", "/", "~")):
+        raise MeshHealError(f"--tokenizer {spec}: no such file or folder")
+    try:
+        return Tokenizer.from_pretrained(spec)
+    except Exception as e:  # noqa: BLE001 -- offline, an unknown id, no tokenizer.json in the repo
+        raise MeshHealError(f"--tokenizer {spec}: not a file or folder here, and its tokenizer.json could not "
+                            f"be read from the Hugging Face hub ({type(e).__name__}: {e})") from None  # fmt: skip

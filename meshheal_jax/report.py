@@ -464,6 +464,8 @@ def _backend_flags(exp: dict) -> list[str]:
             flags += ["--" + key.replace("_", "-"), str(live[key])]
     if live and (exp.get("backend") != "live" or live.get("data", "hub") != "hub"):
         flags += ["--data", str(live.get("data", "hub"))]
+    if live.get("tokenizer") is not None:
+        flags += ["--tokenizer", str(live["tokenizer"])]
     if exp.get("backend") == "live" and live.get("reasoning_effort", "medium") != "medium":
         flags += ["--reasoning-effort", str(live["reasoning_effort"])]
     for field, flag in (("hub_id", "--hub-id"), ("split", "--hub-split"), ("config", "--hub-config"),

@@ -104,6 +104,9 @@ class LiveSettings:
     data: str = "hub"  # questions: hub | sample | a folder of local benchmark files
     reasoning_effort: str = DEFAULT_REASONING_EFFORT  # sent to gpt-oss models only (spec/live.md)
     hub: tuple[HubSource, ...] = ()  # --data hub: the datasets not read from load_hub's defaults
+    tokenizer: str | None = (
+        None  # emulated --data: counts question tokens (data.load_tokenizer); None: chars / 4
+    )
 
     def __post_init__(self) -> None:
         hub = self.hub  # config.json's form too: {dataset: {hub_id, split, config, revision}}
@@ -111,9 +114,9 @@ class LiveSettings:
         object.__setattr__(self, "hub", tuple(HubSource(**h) if isinstance(h, Mapping) else h for h in items))
 
     def questions_only(self) -> bool:
-        """Only where the questions come from (--data, --hub-*) is set: all an emulated run takes
-        (it reads the questions for their token counts, spec/emulator.md)."""
-        return self == LiveSettings((), (), data=self.data, hub=self.hub)
+        """Only where the questions come from (--data, --hub-*) and what counts their tokens
+        (--tokenizer) are set: all an emulated run takes (spec/emulator.md)."""
+        return self == LiveSettings((), (), data=self.data, hub=self.hub, tokenizer=self.tokenizer)
 
     def validate(self) -> None:
         for role, urls in (("strong", self.strong_urls), ("weak", self.weak_urls)):
@@ -127,6 +130,9 @@ class LiveSettings:
         if self.reasoning_effort not in REASONING_EFFORTS:
             raise MeshHealError(f"live: --reasoning-effort (reasoning_effort) must be one of "
                                 f"{', '.join(REASONING_EFFORTS)}, got {self.reasoning_effort!r}")  # fmt: skip
+        if self.tokenizer is not None:
+            raise MeshHealError("--tokenizer counts an emulated run's question tokens; a live run's token "
+                                "counts are the servers' usage")  # fmt: skip
         self.validate_questions()
 
     def validate_questions(self) -> None:
@@ -147,6 +153,10 @@ class LiveSettings:
             if source.dataset == "bbh" and source.config is not None:
                 raise MeshHealError(f"--hub-config bbh={source.config}: BBH is read one config per task "
                                     "type (as lukaemon/bbh keeps it); give no config for bbh")  # fmt: skip
+        if self.tokenizer is not None:
+            from meshheal_jax.data import load_tokenizer
+
+            load_tokenizer(self.tokenizer)  # a bad one fails before anything is written
 
     def hub_source(self, dataset: str) -> HubSource:
         """Where `--data hub` reads `dataset`: the settings given for it, else load_hub's defaults."""
@@ -289,7 +299,7 @@ class Experiment:
             if not self.live.questions_only():
                 raise MeshHealError(
                     "live server settings were given but the backend is emulated: add --backend live "
-                    "(an emulated run takes only --data and --hub-*, to count its questions' tokens)"
+                    "(an emulated run takes only --data, --hub-* and --tokenizer, to count its questions' tokens)"
                 )
             self.live.validate_questions()
         for dataset in self.datasets if self.live is not None else ():  # read now (kept for the run):
@@ -509,6 +519,14 @@ def input_digests(exp: Experiment) -> dict[str, dict]:
                 "path": exp.live.data,
                 "sha256": hashlib.sha256(text.encode()).hexdigest(),
             }
+        if exp.live.tokenizer is not None:  # what counts the questions' tokens (emulated --tokenizer)
+            from meshheal_jax.data import load_tokenizer
+
+            text = load_tokenizer(exp.live.tokenizer).to_str()
+            out["tokenizer"] = {
+                "path": exp.live.tokenizer,
+                "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            }
     return out
 
 
@@ -573,9 +591,12 @@ def read_questions(source: LiveSettings, dataset: str, profiles_dir: Path | None
 def _pool_tokens(source: LiveSettings, dataset: str, profiles_dir: Path | None) -> tuple[tuple, tuple]:
     """One dataset's question pool (data.question_pool, per task type) and the tokens of each pooled
     question (data.question_tokens), counted once per process for every stream and method."""
+    from meshheal_jax.data import load_tokenizer
+
     profile = load_profile(dataset, profiles_dir)
     pool = question_pool(read_questions(source, dataset, profiles_dir), profile.task_types)
-    return pool, tuple(question_tokens(records, dataset) for records in pool)
+    tokenizer = None if source.tokenizer is None else load_tokenizer(source.tokenizer)
+    return pool, tuple(question_tokens(records, dataset, tokenizer) for records in pool)
 
 
 def with_question_tokens(stream, pool, tokens):

@@ -600,7 +600,7 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
         raise MeshHealError("a sweep runs on the emulator (one compiled program over the grid); "
                             "run single configurations live with main / recovery / ablate / detectors / scale")  # fmt: skip
     if live_settings(cfg) is not None:
-        raise MeshHealError("a sweep takes no --data, --hub-* or live settings: its questions count the profile's "
+        raise MeshHealError("a sweep takes no --data, --hub-*, --tokenizer or live settings: its questions count the profile's "
                             "mean tokens (decisions X4); run main / recovery / ... --data for real questions")  # fmt: skip
     return runner.Experiment(
         name="sweep", datasets=tuple(cfg.datasets), pairs=(cfg.pair,), seeds=cfg.seed_tuple(), engine="jax",

@@ -90,7 +90,7 @@ def test_an_emulated_run_with_data_reads_the_questions_the_live_backend_would_as
 
 def test_an_emulated_run_takes_only_where_questions_come_from():
     served = dataclasses.replace(EXP, live=runner.LiveSettings(("http://x",), (), data="sample"))
-    with pytest.raises(MeshHealError, match="backend is emulated.*only --data and --hub"):
+    with pytest.raises(MeshHealError, match="backend is emulated.*only --data, --hub-\\* and --tokenizer"):
         served.validate()
     missing = dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="/no/such/folder"))
     with pytest.raises(MeshHealError, match="--data must be hub, sample or an existing folder"):
@@ -175,3 +175,81 @@ def test_a_live_run_reads_its_questions_when_validated_and_keeps_their_digest(tm
     (tmp_path / "bad" / "mmlu_pro.jsonl").write_text('{"oops": 1}\n')
     with pytest.raises(MeshHealError, match="row 1: missing field 'question'"):
         dataclasses.replace(exp, live=dataclasses.replace(live, data=str(tmp_path / "bad"))).validate()
+
+
+# --tokenizer: a real BPE tokenizer trained here on the packaged questions (no download)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator((r.question for d in data.DATASETS for r in data.load_sample(d)), trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    bpe.save(str(path))
+    return path
+
+
+def test_a_tokenizer_counts_the_shown_question(tokenizer_file):
+    from tokenizers import Tokenizer
+
+    own = Tokenizer.from_file(str(tokenizer_file))
+    records = data.load_sample("mmlu_pro")[:6]
+    for spec in (str(tokenizer_file), str(tokenizer_file.parent)):  # the file, or a folder holding it
+        got = data.question_tokens(records, "mmlu_pro", data.load_tokenizer(spec))
+        shown = [prompts.format_question(prompts.TaskText("mmlu_pro", r.question, r.task_type, r.options))
+                 for r in records]  # fmt: skip
+        np.testing.assert_array_equal(got, [len(own.encode(t, add_special_tokens=False).ids) for t in shown])
+    assert not np.array_equal(got, data.question_tokens(records, "mmlu_pro"))  # not characters / 4
+
+
+def test_a_bad_tokenizer_is_named(tmp_path):
+    pytest.importorskip("tokenizers")
+    with pytest.raises(MeshHealError, match="the folder holds no tokenizer.json"):
+        data.load_tokenizer(str(tmp_path))
+    (tmp_path / "broken.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(MeshHealError, match="broken.json: not a tokenizers JSON file"):
+        data.load_tokenizer(str(tmp_path / "broken.json"))
+    with pytest.raises(MeshHealError, match="no such file or folder"):
+        data.load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_an_emulated_run_counts_its_questions_with_the_tokenizer(tokenizer_file, tmp_path):
+    live = runner.LiveSettings((), (), data="sample", tokenizer=str(tokenizer_file))
+    exp = dataclasses.replace(EXP, live=live)
+    exp.validate()
+    with pytest.warns(data.QuestionPoolWarning):
+        _, stream, _, _ = runner._stream_inputs(exp, "mmlu_pro", "default", 3)
+    profile = NETWORK.profile
+    pool = data.question_pool(data.load_sample("mmlu_pro", profile), profile.task_types)
+    pick = data.pick_questions(pool, STREAM.task_type, STREAM.question, 3, profile.dataset_id, warn=False)
+    expected = data.question_tokens(pick.records, "mmlu_pro", data.load_tokenizer(str(tokenizer_file)))
+    np.testing.assert_array_equal(stream.question_tokens, expected)
+    out = runner.prepare_run_dir(exp, tmp_path / "run")
+    config = json.loads((out / "config.json").read_text())
+    assert config["experiment"]["live"]["tokenizer"] == str(tokenizer_file)
+    assert config["inputs"]["tokenizer"]["path"] == str(tokenizer_file)
+    with pytest.raises(MeshHealError, match=r"different configuration \(live.tokenizer differ\)"):
+        runner.prepare_run_dir(dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="sample")), out)
+
+
+def test_the_tokenizer_is_for_emulated_runs_with_data(tokenizer_file):
+    from meshheal_jax import cli
+
+    flags = _main_flags("--data", "sample", "--tokenizer", str(tokenizer_file))
+    assert cli.backend_fields(flags)["live"] == runner.LiveSettings(
+        (), (), data="sample", tokenizer=str(tokenizer_file)
+    )
+    with pytest.raises(MeshHealError, match="--tokenizer given to an emulated run without --data"):
+        cli.backend_fields(_main_flags("--tokenizer", str(tokenizer_file)))
+    live = runner.LiveSettings(
+        ("http://a/v1",), ("http://b/v1",), data="sample", tokenizer=str(tokenizer_file)
+    )
+    with pytest.raises(MeshHealError, match="a live run's token counts are the servers' usage"):
+        dataclasses.replace(EXP, backend="live", live=live).validate()

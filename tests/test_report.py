@@ -136,6 +136,11 @@ def test_reproduce_commands_carry_the_backend_and_where_questions_come_from():
     emulated = runner.Experiment(**base, live=runner.LiveSettings((), (), data="sample"))
     (command, _) = report.reproduce_commands({"experiment": emulated.to_json()})
     assert "--backend" not in command and "--data sample --datasets math" in command
+    counted = runner.Experiment(
+        **base, live=runner.LiveSettings((), (), data="sample", tokenizer="/t/tokenizer.json")
+    )
+    (command, _) = report.reproduce_commands({"experiment": counted.to_json()})
+    assert "--data sample --tokenizer /t/tokenizer.json --datasets math" in command
     (command, _) = report.reproduce_commands({"experiment": runner.Experiment(**base).to_json()})
     assert "--backend" not in command and "--data " not in command
     served = runner.Experiment(**base, backend="live", live=runner.LiveSettings(("http://a/v1",), ("http://b/v1",),
