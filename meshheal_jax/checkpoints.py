@@ -1,26 +1,31 @@
 """Checkpoints of unfinished streams (spec/architecture.md, "Long runs"; docs/decisions.md X1).
 
 The JAX engine runs a batch of streams as chunks of rounds. Every `every_s` seconds, and when the
-batch is stopped (Ctrl-C), each stream's engine state after the last chunk (its slice of the
-`Carry`: network, slots, backend state, draws) is written with the records of the chunks since
-the previous checkpoint. A rerun of the same command restores both and goes on from that chunk:
-a stream's records do not depend on where its chunks end, so they equal an uninterrupted run's.
+batch is stopped through its cancel or stop event (the runner's Ctrl-C, another lane's failure),
+each stream's engine state after the last chunk (its slice of the `Carry`: network, slots,
+backend state, draws) is written with the records of the chunks since the previous checkpoint. A
+rerun of the same command restores both and goes on from that chunk: a stream's records do not
+depend on where its chunks end, so they equal an uninterrupted run's.
 
-One folder per stream:
+One folder per stream; checkpoint K (K = 1, 2, ...) wrote:
 
-    records-00000.tasks.parquet ...   the records of the chunks up to checkpoint 1, one file per table
-    records-00001.tasks.parquet ...   those of the chunks after it, up to checkpoint 2
-    carry-00002.npz                   the engine state at the last checkpoint (its leaves, in order)
-    state.json                        {"saved": 2, "tasks_done": ..., "layout": ...}: the commit
+    records-00000.tasks.parquet ...   checkpoint 1: the records of its chunks, one file per table
+    records-00001.tasks.parquet ...   checkpoint 2: those of the chunks after checkpoint 1
+    carry-00002.npz                   the engine state at the last checkpoint, K = 2 (its leaves)
+    state.json                        {"saved": 2, "tables": [...], "layout": ...}: the commit
 
-state.json is written last, through a rename, so a crash while saving leaves the previous
-checkpoint whole: files it does not count are removed when the folder is next read.
+Every file is flushed to disk before state.json is replaced through a rename, so a crash while
+saving leaves the previous checkpoint whole; files it does not count are removed when the folder
+is next read (a folder without state.json, from a first save cut short, is removed whole). A
+checkpoint that cannot be read back (damaged files, another engine's layout) is dropped with a
+`CheckpointWarning`, and its stream runs from its first task.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import time
 import warnings
@@ -56,18 +61,26 @@ class Checkpoints:
         if not self.every_s >= 0:
             raise ValueError(f"checkpoint interval must be >= 0 seconds, got {self.every_s}")
 
-    def has(self, m: int) -> bool:
-        return (self.folders[m] / STATE).exists()
+    def committed(self, m: int) -> bool:
+        """Whether stream m has a checkpoint; a folder without its commit (a first save cut short)
+        is removed."""
+        if (self.folders[m] / STATE).exists():
+            return True
+        shutil.rmtree(self.folders[m], ignore_errors=True)
+        return False
 
     def due(self, last: float) -> bool:
         return time.monotonic() - last >= self.every_s
 
-    def restore(self, m: int, template) -> tuple[object, list[dict[str, pl.DataFrame]]] | None:
-        """Stream m's carry and its records so far, or None (no checkpoint, or one this code cannot
-        read: a CheckpointWarning says why and the folder is cleared). `template`: a fresh carry of
-        the stream (numpy leaves), which gives the tree and the shapes to expect."""
+    def restore(
+        self, m: int, template, tables: tuple[str, ...]
+    ) -> tuple[object, list[dict[str, pl.DataFrame]]] | None:
+        """Stream m's carry and its records so far (the tables named in `tables`), or None: no
+        checkpoint, or one that cannot be used (a CheckpointWarning says why; the folder is
+        removed). `template`: a fresh carry of the stream (numpy leaves), the tree and shapes to
+        expect."""
         folder = self.folders[m]
-        if not self.has(m):
+        if not self.committed(m):
             return None
         try:
             state = json.loads((folder / STATE).read_text())
@@ -76,41 +89,60 @@ class Checkpoints:
                 raise ValueError(
                     "its engine state has another layout (written by another version of the engine)"
                 )
+            if state["tables"] != sorted(tables):
+                raise ValueError(f"it holds the tables {state['tables']}, this run keeps {sorted(tables)}")
             with np.load(folder / f"carry-{saved:05d}.npz") as npz:
                 leaves = [npz[f"arr_{k}"] for k in range(len(npz.files))]
-            parts = []
-            for k in range(saved):
-                files = sorted(folder.glob(f"records-{k:05d}.*.parquet"))
-                parts.append({f.name.split(".")[1]: pl.read_parquet(f) for f in files})
-            if not all(parts) or len({tuple(sorted(p)) for p in parts}) > 1:
-                raise ValueError("its records are incomplete")
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-            warnings.warn(f"checkpoint {folder} not used ({e}); its stream runs from its first task",
-                          CheckpointWarning, stacklevel=2)  # fmt: skip
+            if layout(leaves)["leaves"] != state["layout"]["leaves"]:
+                raise ValueError("its engine state's arrays do not match its layout")
+            parts = [
+                {name: pl.read_parquet(folder / f"records-{k:05d}.{name}.parquet") for name in tables}
+                for k in range(saved)
+            ]
+        except Exception as e:  # noqa: BLE001 -- damaged files raise many types (zip, parquet, json, EOF)
+            warnings.warn(f"checkpoint {folder} not used ({type(e).__name__}: {e}); its stream runs from its "
+                          "first task", CheckpointWarning, stacklevel=2)  # fmt: skip
             shutil.rmtree(folder, ignore_errors=True)
             return None
-        for f in folder.iterdir():  # what a save interrupted before its commit left behind
+        for f in folder.iterdir():  # what a save cut short before its commit left behind
             if f.name != STATE and f.name != f"carry-{saved:05d}.npz" and not _counted(f.name, saved):
                 f.unlink()
         carry = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
         return carry, parts
 
-    def save(self, m: int, carry, parts: list[dict[str, pl.DataFrame]], tasks_done: int) -> None:
+    def save(self, m: int, carry, parts: list[dict[str, pl.DataFrame]], tasks_entered: int) -> None:
         """Checkpoint stream m: `carry` (its slice, numpy leaves) after the records `parts` (the chunks'
-        record frames since its previous checkpoint)."""
+        record frames since its previous checkpoint, one dict of tables each)."""
         if not parts:
             raise ValueError("a checkpoint follows at least one chunk")
         folder = self.folders[m]
         folder.mkdir(parents=True, exist_ok=True)
         saved = json.loads((folder / STATE).read_text())["saved"] if (folder / STATE).exists() else 0
+        written = []
         for name in parts[0]:
-            pl.concat([p[name] for p in parts]).write_parquet(folder / f"records-{saved:05d}.{name}.parquet")
-        np.savez(folder / f"carry-{saved + 1:05d}.npz", *jax.tree_util.tree_leaves(carry))
-        state = {"saved": saved + 1, "tasks_done": tasks_done, "layout": layout(carry)}
+            path = folder / f"records-{saved:05d}.{name}.parquet"
+            pl.concat([p[name] for p in parts]).write_parquet(path)
+            written.append(path)
+        written.append(folder / f"carry-{saved + 1:05d}.npz")
+        np.savez(written[-1], *jax.tree_util.tree_leaves(carry))
+        state = {"saved": saved + 1, "tasks_entered": tasks_entered, "tables": sorted(parts[0]),
+                 "layout": layout(carry)}  # fmt: skip
         tmp = folder / (STATE + ".tmp")
         tmp.write_text(json.dumps(state))
+        for path in (*written, tmp):
+            _flush(path)
         tmp.replace(folder / STATE)  # the commit
+        _flush(folder)
         (folder / f"carry-{saved:05d}.npz").unlink(missing_ok=True)
+
+
+def _flush(path: Path) -> None:
+    """Make a file's contents (or a folder's entries) durable before the commit that names them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _counted(name: str, saved: int) -> bool:

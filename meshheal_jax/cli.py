@@ -199,10 +199,19 @@ def _settings(doc: dict, flags: CommonFlags):
         weak_model=doc.get("weak_model"), strong_served_name=doc.get("strong_served_name"),
         weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 256)),
         max_tokens=doc.get("max_tokens"), data=str(doc.get("data", "hub")),
-        reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT), tokenizer=doc.get("tokenizer"),
+        reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT), tokenizer=_tokenizer(doc),
         hub=tuple(HubSource(dataset, **{field: doc.get(key, {}).get(dataset) for key, (field, _) in HUB_KEYS.items()})
                   for dataset in DATASETS if any(dataset in doc.get(key, {}) for key in HUB_KEYS)),
     )  # fmt: skip
+
+
+def _tokenizer(doc: dict) -> str | None:
+    """--tokenizer as config.json records it: a local file or folder as an absolute path (a resume
+    from another folder reads the same one), a hub model id as given."""
+    spec = doc.get("tokenizer")
+    if spec is None or not Path(spec).expanduser().exists():
+        return spec
+    return str(Path(spec).expanduser().resolve())
 
 
 def backend_fields(flags: CommonFlags) -> dict:
@@ -216,10 +225,12 @@ def backend_fields(flags: CommonFlags) -> dict:
             raise MeshHealError(f"live server settings were given ({', '.join(served)}) but the backend is "
                                 "emulated: add --backend live (an emulated run takes only --data, --hub-* and "
                                 "--tokenizer)")  # fmt: skip
-        if "data" not in doc:
-            given = "--tokenizer" if "tokenizer" in doc else "--hub-* settings"
-            raise MeshHealError(f"{given} given to an emulated run without --data: add --data hub, sample or "
+        if "data" not in doc and "tokenizer" in doc:
+            raise MeshHealError("--tokenizer given to an emulated run without --data: add --data hub, sample or "
                                 "a folder, whose questions' tokens it counts")  # fmt: skip
+        if "data" not in doc:
+            raise MeshHealError("--hub-* settings given to an emulated run without --data: add --data hub "
+                                "to count the hub questions' tokens")  # fmt: skip
     return {"backend": flags.backend, "live": _settings(doc, flags)}
 
 

@@ -607,13 +607,22 @@ def load_tokenizer(spec: str):
             raise MeshHealError(f"--tokenizer {spec}: the folder holds no tokenizer.json")
     if path.is_file():
         try:
-            return Tokenizer.from_file(str(path))
+            tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 -- the library raises a bare Exception for a malformed file
             raise MeshHealError(f"--tokenizer {spec}: not a tokenizers JSON file ({e})") from None
+        return _counting(tokenizer)
     if path.suffix == ".json" or spec.startswith((".", "/", "~")):
         raise MeshHealError(f"--tokenizer {spec}: no such file or folder")
     try:
-        return Tokenizer.from_pretrained(spec)
+        return _counting(Tokenizer.from_pretrained(spec))
     except Exception as e:  # noqa: BLE001 -- offline, an unknown id, no tokenizer.json in the repo
         raise MeshHealError(f"--tokenizer {spec}: not a file or folder here, and its tokenizer.json could not "
                             f"be read from the Hugging Face hub ({type(e).__name__}: {e})") from None  # fmt: skip
+
+
+def _counting(tokenizer):
+    """The tokenizer without the padding and truncation its file may set (a batch padded to its
+    longest text, or cut at a length, would miscount)."""
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer

@@ -1649,7 +1649,10 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     `timings`, when given, receives the slowest lane's seconds: first_call (trace, compile, chunk
     1), other_calls (the other chunks), records (arrays -> record tables) and calls (count).
     `checkpoints`: each stream starts from its checkpoint when it has one, and is checkpointed
-    every `checkpoints.every_s` seconds and when its lane is stopped (docs/decisions.md X1)."""
+    every `checkpoints.every_s` seconds, when its lane is stopped by `cancel` or another lane's
+    failure (not by a KeyboardInterrupt raised in the lane's own thread: the runner runs lanes off
+    the main thread and turns Ctrl-C into `cancel`), and at the end of a lane that ran longer than
+    the interval (docs/decisions.md X1)."""
     lanes = default_lanes(len(specs), mesh) if lanes is None else lanes
     check_lanes(lanes, mesh)
     k_max = max(s.network.neighbour_table.shape[1] for s in specs)  # one shape for every lane
@@ -1675,25 +1678,24 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
         carry = initial_carries(cfg, world)
         kept: list[list[dict]] = [[] for _ in range(real)]
         if checkpoints is not None:
-            carry = restore(checkpoints, carry, members, kept)
+            carry = restore(checkpoints, carry, members, kept, tables)
         carry = shard_streams(carry, mesh)
         unsaved = [0] * real  # chunks kept since each stream's last checkpoint
-        saved_at = time.monotonic()
+        started = saved_at = time.monotonic()
 
-        def save(streams_done: np.ndarray) -> None:
+        def save() -> None:
             host = jax.device_get(carry)  # before the next call: run_rounds donates the carry
-            next_t = np.asarray(host.next_t)
+            entered = np.minimum(np.asarray(host.next_t) - 1, cfg.n_tasks)
             for s in range(real):
                 if unsaved[s]:
-                    tasks_done = int(min(next_t[s] - 1, cfg.n_tasks)) if not streams_done[s] else cfg.n_tasks
-                    checkpoints.save(members[s], at(host, s), kept[s][-unsaved[s] :], tasks_done)
+                    checkpoints.save(members[s], at(host, s), kept[s][-unsaved[s] :], int(entered[s]))
                     unsaved[s] = 0
 
         clock = {"first_call": 0.0, "other_calls": 0.0, "records": 0.0, "calls": 0}
         while not (streams_done := done(cfg, carry)).all():
             if stop.is_set() or (cancel is not None and cancel.is_set()):
                 if checkpoints is not None:
-                    save(streams_done)
+                    save()
                 return None
             start = time.perf_counter()
             carry, records = run_rounds(cfg, p, world, carry, chunk, batched)
@@ -1708,12 +1710,14 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
                     unsaved[s] += 1
             clock["records"] += time.perf_counter() - start
             if checkpoints is not None and checkpoints.due(saved_at):
-                save(done(cfg, carry))
+                save()
                 saved_at = time.monotonic()
             if on_progress is not None:
                 with lock:
                     done_tasks[k] = int(np.minimum(np.asarray(carry.next_t)[:real] - 1, cfg.n_tasks).sum())
                     on_progress(sum(done_tasks), cfg.n_tasks * len(specs))
+        if checkpoints is not None and checkpoints.due(started):
+            save()  # a lane that outlasted the interval: its records survive the other lanes' stop
         return [stream_tables(parts, tables) for parts in kept], clock
 
     if len(groups) == 1:
@@ -1739,17 +1743,19 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     return [frames for per_stream, _ in finished for frames in per_stream]
 
 
-def restore(checkpoints: Checkpoints, carry: Carry, members: list[int], kept: list[list]) -> Carry:
+def restore(checkpoints: Checkpoints, carry: Carry, members: list[int], kept: list[list],
+            tables: tuple[str, ...] = TABLES) -> Carry:  # fmt: skip
     """A lane's first carry with each stream that has a checkpoint (`checkpoints.restore`) set to
-    it, that stream's records so far added to `kept` (members: the lane's streams, padding
-    copies included; kept: one list per real stream)."""
-    if not any(checkpoints.has(m) for m in members):
+    it, that stream's records so far (of `tables`) added to `kept` (members: the lane's streams,
+    padding copies included; kept: one list per real stream)."""
+    committed = [checkpoints.committed(m) for m in members]  # every folder looked at (stray ones removed)
+    if not any(committed):
         return carry
     host = jax.tree.map(np.array, jax.device_get(carry))  # writable copies
     restored = {}
     for s, m in enumerate(members):
         if m not in restored:
-            restored[m] = checkpoints.restore(m, at(host, s))
+            restored[m] = checkpoints.restore(m, at(host, s), tables)
             if restored[m] is not None:
                 kept[s].extend(restored[m][1])
         if restored[m] is not None:

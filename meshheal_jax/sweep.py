@@ -599,6 +599,10 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
     if cfg.backend != "emulated":
         raise MeshHealError("a sweep runs on the emulator (one compiled program over the grid); "
                             "run single configurations live with main / recovery / ablate / detectors / scale")  # fmt: skip
+    if cfg.checkpoint_every != 60.0:
+        raise MeshHealError(
+            "a sweep takes no --checkpoint-every: it does not resume (it needs a new or empty --out)"
+        )
     if live_settings(cfg) is not None:
         raise MeshHealError("a sweep takes no --data, --hub-*, --tokenizer or live settings: its questions count the profile's "
                             "mean tokens (decisions X4); run main / recovery / ... --data for real questions")  # fmt: skip

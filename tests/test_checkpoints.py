@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import threading
 
+import jax
 import polars as pl
 import pytest
 
 from meshheal_jax import engine, runner
 from meshheal_jax.checkpoints import Checkpoints, CheckpointWarning
+from meshheal_jax.device import stack
 from meshheal_jax.errors import Cancelled
 
 CHUNK = 16  # rounds per compiled call: a 6-agent 84-task stream takes ~30 of them
+RUN_ROUNDS = engine.run_rounds
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,13 @@ def batch():
     timings: dict = {}
     whole = engine.run_batch(cfg, specs, params, False, CHUNK, lanes=1, timings=timings)
     return cfg, specs, params, whole, timings["calls"]
+
+
+def template(batch):
+    """A fresh carry of the batch's first stream, on the host: what a restore checks a checkpoint against."""
+    cfg, specs, *_ = batch
+    world = stack([engine.make_world(specs[0].network, specs[0].stream, specs[0].schedule)])
+    return engine.at(jax.device_get(engine.initial_carries(cfg, world)), 0)
 
 
 def run(batch, saves: Checkpoints, **kw):
@@ -63,7 +73,7 @@ def test_a_stopped_batch_goes_on_from_its_checkpoints(batch, tmp_path):
         run(batch, Checkpoints(folders, every_s=3600), on_progress=stop_after_three, cancel=cancel)
     for folder in folders:
         state = json.loads((folder / "state.json").read_text())
-        assert state["saved"] == 1 and 0 < state["tasks_done"] < 84
+        assert state["saved"] == 1 and 0 < state["tasks_entered"] < 84
         assert sorted(p.name for p in folder.iterdir()) == [
             "carry-00001.npz", *(f"records-00000.{t}.parquet" for t in sorted(engine.TABLES)), "state.json"
         ]  # fmt: skip
@@ -91,11 +101,19 @@ def test_a_crashed_batch_goes_on_from_its_last_checkpoint(batch, tmp_path, monke
     # a save cut short before its commit leaves files that the next read drops
     (folders[0] / "records-00004.tasks.parquet").write_bytes(b"half")
     (folders[0] / "carry-00005.npz").write_bytes(b"half")
+    (tmp_path / "first").mkdir()  # a stream whose first save was cut short: no state.json
+    (tmp_path / "first" / "records-00000.tasks.parquet").write_bytes(b"half")
+    saves = Checkpoints([*folders, tmp_path / "first"], every_s=3600)
+    assert saves.restore(0, template(batch), engine.TABLES) is not None
+    assert sorted(p.name for p in folders[0].iterdir()) == [
+        "carry-00004.npz", *(f"records-0000{k}.{t}.parquet" for k in range(4) for t in sorted(engine.TABLES)),
+        "state.json",
+    ]  # fmt: skip
+    assert saves.restore(2, template(batch), engine.TABLES) is None and not (tmp_path / "first").exists()
     resumed, resumed_calls = run(batch, Checkpoints(folders, every_s=0))
     assert resumed_calls == calls - 4
     assert_equal(resumed, whole)
-    assert not (folders[0] / "carry-00005.npz").exists()
-    # a stream already done at its checkpoint runs no more rounds and keeps its records
+    # the lane outlasted its interval (0 s): it saved at its end, so a rerun has every stream done
     again, again_calls = run(batch, Checkpoints(folders, every_s=0))
     assert again_calls == 0
     assert_equal(again, whole)
@@ -117,29 +135,73 @@ def test_a_checkpoint_of_another_layout_is_dropped_with_a_warning(batch, tmp_pat
     assert_equal(resumed, whole)
 
 
-def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeypatch):
-    exp = runner.Experiment(name="main", methods=("meshheal",), datasets=("math",), pairs=("default",),
-                            seeds=(0, 1), n_tasks=84)  # fmt: skip
-    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)  # the program the tests above compiled
-    whole = runner.run(exp, tmp_path / "whole", progress=False, lanes=1)
-    real, seen = engine.run_rounds, []
+@pytest.mark.parametrize("damage", ["empty carry", "cut carry", "cut records", "null count", "other tables"])
+def test_a_damaged_checkpoint_is_dropped_with_a_warning(batch, tmp_path, damage):
+    """What a crash of the machine (files named by the commit but not all on disk) or a hand edit
+    leaves: the rerun warns, and runs that stream from its first task."""
+    *_, whole, calls = batch
+    folders = [tmp_path / "s0", tmp_path / "s1"]
+    cancel = threading.Event()
+    with pytest.raises(Cancelled):
+        run(batch, Checkpoints(folders, every_s=0), on_progress=lambda *_: cancel.set(), cancel=cancel)
+    carry, records = folders[1] / "carry-00001.npz", folders[1] / "records-00000.calls.parquet"
+    if damage == "empty carry":
+        carry.write_bytes(b"")
+    elif damage == "cut carry":
+        carry.write_bytes(carry.read_bytes()[:1000])
+    elif damage == "cut records":
+        records.write_bytes(records.read_bytes()[:100])
+    elif damage == "null count":
+        (folders[1] / "state.json").write_text(
+            json.dumps({**json.loads((folders[1] / "state.json").read_text()), "saved": None})
+        )
+    tables = ("tasks", "calls") if damage == "other tables" else engine.TABLES
+    with pytest.warns(CheckpointWarning, match=f"checkpoint {folders[1]} not used"):
+        assert Checkpoints(folders).restore(1, template(batch), tables) is None
+    assert not folders[1].exists() and folders[0].exists()
+    resumed, resumed_calls = run(batch, Checkpoints(folders, every_s=3600))
+    assert resumed_calls == calls
+    assert_equal(resumed, whole)
 
-    def crash_on_the_second_call(*args):
+
+EXP = runner.Experiment(name="main", methods=("meshheal",), datasets=("math",), pairs=("default",),
+                        seeds=(0, 1), n_tasks=84)  # fmt: skip
+
+
+def counted_chunks(monkeypatch, on_call=lambda n: None) -> list:
+    """Count the engine's compiled calls (chunks) from now on; on_call(n) runs before the n-th."""
+    seen = []
+
+    def run_rounds(*args):
         seen.append(1)
-        if len(seen) == 2:
-            raise RuntimeError("a crash between two chunks")
-        return real(*args)
+        on_call(len(seen))
+        return RUN_ROUNDS(*args)
 
-    monkeypatch.setattr(engine, "run_rounds", crash_on_the_second_call)
+    monkeypatch.setattr(engine, "run_rounds", run_rounds)
+    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)  # the program the tests above compiled
+    return seen
+
+
+def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeypatch):
+    seen = counted_chunks(monkeypatch)
+    whole = runner.run(EXP, tmp_path / "whole", progress=False, lanes=1)
+    chunks = len(seen)
+
+    def crash(n: int) -> None:
+        if n == 2:
+            raise RuntimeError("a crash between two chunks")
+
+    seen = counted_chunks(monkeypatch, crash)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="a crash"):
-        runner.run(exp, out, progress=False, lanes=1, checkpoint_every=0)
+        runner.run(EXP, out, progress=False, lanes=1, checkpoint_every=0)
     assert not (out / "parts").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "meshheal-math-default-seed0", "meshheal-math-default-seed1"
     ]  # fmt: skip
-    monkeypatch.setattr(engine, "run_rounds", real)
-    resumed = runner.run(exp, out, progress=False, lanes=1, checkpoint_every=0)
+    seen = counted_chunks(monkeypatch)
+    resumed = runner.run(EXP, out, progress=False, lanes=1, checkpoint_every=0)
+    assert len(seen) == chunks - 1  # on from the checkpoint after chunk 1
     assert not (out / "checkpoints").exists()
     for name in runner.TABLES:
         assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
@@ -152,30 +214,27 @@ def test_ctrl_c_writes_the_checkpoints_and_the_rerun_goes_on_from_them(tmp_path,
     import _thread
     import time
 
-    exp = runner.Experiment(name="main", methods=("meshheal",), datasets=("math",), pairs=("default",),
-                            seeds=(0, 1), n_tasks=84)  # fmt: skip
-    monkeypatch.setattr(engine, "default_chunk", lambda *_: CHUNK)
-    whole = runner.run(exp, tmp_path / "whole", progress=False, lanes=1)
-    real, seen = engine.run_rounds, []
+    seen = counted_chunks(monkeypatch)
+    whole = runner.run(EXP, tmp_path / "whole", progress=False, lanes=1)
+    chunks = len(seen)
 
-    def ctrl_c_during_the_second_call(*args):
-        seen.append(1)
-        if len(seen) == 2:
+    def ctrl_c(n: int) -> None:
+        if n == 2:
             _thread.interrupt_main()  # as a SIGINT would
             time.sleep(1.0)  # the main thread sets the cancel event before this chunk ends
-        return real(*args)
 
-    monkeypatch.setattr(engine, "run_rounds", ctrl_c_during_the_second_call)
+    seen = counted_chunks(monkeypatch, ctrl_c)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        runner.run(exp, out, progress=False, lanes=1)
+        runner.run(EXP, out, progress=False, lanes=1)
     assert len(seen) == 2
     for seed in (0, 1):
         state = json.loads(
             (out / "checkpoints" / f"meshheal-math-default-seed{seed}" / "state.json").read_text()
         )
         assert state["saved"] == 1  # one checkpoint, written on the way out, after two chunks
-    monkeypatch.setattr(engine, "run_rounds", real)
-    resumed = runner.run(exp, out, progress=False, lanes=1)
+    seen = counted_chunks(monkeypatch)
+    resumed = runner.run(EXP, out, progress=False, lanes=1)
+    assert len(seen) == chunks - 2
     for name in runner.TABLES:
         assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name

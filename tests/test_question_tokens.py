@@ -133,6 +133,10 @@ def test_a_sweep_refuses_data():
 
     with pytest.raises(MeshHealError, match="a sweep takes no --data"):
         sweep.experiment(tyro.cli(sweep.SweepConfig, args=["--grid", "alpha=1.0,1.2", "--data", "sample"]))
+    with pytest.raises(MeshHealError, match="a sweep takes no --checkpoint-every"):
+        sweep.experiment(
+            tyro.cli(sweep.SweepConfig, args=["--grid", "alpha=1.0,1.2", "--checkpoint-every", "5"])
+        )
 
 
 def test_a_resume_refuses_other_question_files(tmp_path):
@@ -207,6 +211,11 @@ def test_a_tokenizer_counts_the_shown_question(tokenizer_file):
                  for r in records]  # fmt: skip
         np.testing.assert_array_equal(got, [len(own.encode(t, add_special_tokens=False).ids) for t in shown])
     assert not np.array_equal(got, data.question_tokens(records, "mmlu_pro"))  # not characters / 4
+    own.enable_padding(pad_id=0, pad_token="<unk>")  # a file that pads batches and cuts at 8 tokens
+    own.enable_truncation(8)
+    own.save(str(tokenizer_file.parent / "padded.json"))
+    padded = data.load_tokenizer(str(tokenizer_file.parent / "padded.json"))
+    np.testing.assert_array_equal(data.question_tokens(records, "mmlu_pro", padded), got)  # counts unchanged
 
 
 def test_a_bad_tokenizer_is_named(tmp_path):
@@ -239,7 +248,7 @@ def test_an_emulated_run_counts_its_questions_with_the_tokenizer(tokenizer_file,
         runner.prepare_run_dir(dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="sample")), out)
 
 
-def test_the_tokenizer_is_for_emulated_runs_with_data(tokenizer_file):
+def test_the_tokenizer_is_for_emulated_runs_with_data(tokenizer_file, monkeypatch):
     from meshheal_jax import cli
 
     flags = _main_flags("--data", "sample", "--tokenizer", str(tokenizer_file))
@@ -248,6 +257,11 @@ def test_the_tokenizer_is_for_emulated_runs_with_data(tokenizer_file):
     )
     with pytest.raises(MeshHealError, match="--tokenizer given to an emulated run without --data"):
         cli.backend_fields(_main_flags("--tokenizer", str(tokenizer_file)))
+    with monkeypatch.context() as m:  # a relative path is kept absolute: a resume from elsewhere finds it
+        m.chdir(tokenizer_file.parent.parent)
+        relative = f"{tokenizer_file.parent.name}/{tokenizer_file.name}"
+        live = cli.backend_fields(_main_flags("--data", "sample", "--tokenizer", relative))["live"]
+        assert live.tokenizer == str(tokenizer_file.resolve())
     live = runner.LiveSettings(
         ("http://a/v1",), ("http://b/v1",), data="sample", tokenizer=str(tokenizer_file)
     )
