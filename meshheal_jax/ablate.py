@@ -168,14 +168,7 @@ def body(cfg: AblateConfig) -> None:
     check_names(tuple(cfg.variants), VARIANTS, "variants")
     out = combined_out("ablate", cfg.out)
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
-    summary = run_all(
-        "ablate",
-        experiments,
-        out,
-        progress=not cfg.quiet,
-        lanes=cfg.lanes,
-        checkpoint_every=cfg.checkpoint_every,
-    )
+    summary = run_all("ablate", experiments, out, progress=not cfg.quiet, **cfg.run_options())
     print_summary(summary)
     print(f"results: {out}")
 

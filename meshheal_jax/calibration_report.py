@@ -205,9 +205,7 @@ def body(cfg: ReportConfig) -> None:
         engine=cfg.engine, slots=cfg.slots, protocol=cfg.protocol, profiles_dir=cfg.profiles_dir, params_dir=cfg.params_dir,
         **backend_fields(cfg),
     )  # fmt: skip
-    results = runner.run(
-        exp, cfg.out, progress=not cfg.quiet, lanes=cfg.lanes, checkpoint_every=cfg.checkpoint_every
-    )
+    results = runner.run(exp, cfg.out, progress=not cfg.quiet, **cfg.run_options())
     rows = evaluate({pair: per_seed_contexts(results, exp, pair) for pair in exp.pairs})
     source = "Live models" if cfg.backend == "live" else "Emulator calibration"
     print_report(rows, f"{source} ({cfg.engine} engine, {len(exp.seeds)} seeds, non-probe outputs)")

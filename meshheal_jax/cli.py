@@ -87,6 +87,10 @@ class CommonFlags:
     """live, --data hub: a dataset's revision (branch, tag or commit), DATASET=REVISION (one or more);
     default the hub's main branch"""
 
+    def run_options(self) -> dict:
+        """runner.run's keyword arguments from these flags (how the run is carried out, not what it computes)."""
+        return {"lanes": self.lanes, "checkpoint_every": self.checkpoint_every}
+
     def seed_tuple(self) -> tuple[int, ...]:
         if self.seed_list is not None:
             return tuple(self.seed_list)

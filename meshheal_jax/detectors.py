@@ -75,14 +75,7 @@ def body(cfg: DetectorsConfig) -> None:
         raise MeshHealError("this command takes --pairs (several), not --pair")
     out = combined_out("detectors", cfg.out)
     experiments = {detector: experiment(cfg, detector) for detector in cfg.detectors}
-    summary = run_all(
-        "detectors",
-        experiments,
-        out,
-        progress=not cfg.quiet,
-        lanes=cfg.lanes,
-        checkpoint_every=cfg.checkpoint_every,
-    )
+    summary = run_all("detectors", experiments, out, progress=not cfg.quiet, **cfg.run_options())
     print_summary(summary)
     print(f"results: {out}")
 

@@ -143,13 +143,7 @@ def print_parse_notes(results: list[dict]) -> None:
 
 
 def body(cfg: MainConfig) -> None:
-    results = runner.run(
-        experiment(cfg),
-        cfg.out,
-        progress=not cfg.quiet,
-        lanes=cfg.lanes,
-        checkpoint_every=cfg.checkpoint_every,
-    )
+    results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, **cfg.run_options())
     print_summary(results.summary)
     path = report.write_report(results.run_dir)
     print(f"results: {results.run_dir}")

@@ -105,13 +105,7 @@ def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:
 
 
 def body(cfg: RecoveryConfig) -> None:
-    results = runner.run(
-        experiment(cfg),
-        cfg.out,
-        progress=not cfg.quiet,
-        lanes=cfg.lanes,
-        checkpoint_every=cfg.checkpoint_every,
-    )
+    results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, **cfg.run_options())
     seed = cfg.show_seed if cfg.show_seed is not None else cfg.seed_tuple()[0]
     print_summary(results.summary, results.states, seed)
     path = report.write_report(results.run_dir)

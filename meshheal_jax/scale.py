@@ -102,13 +102,7 @@ def body(cfg: ScaleConfig) -> None:
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
         start = time.perf_counter()
-        run = runner.run(
-            exp,
-            out / topology,
-            progress=not cfg.quiet,
-            lanes=cfg.lanes,
-            checkpoint_every=cfg.checkpoint_every,
-        )
+        run = runner.run(exp, out / topology, progress=not cfg.quiet, **cfg.run_options())
         wall = time.perf_counter() - start
         engine, backend, slots = run.summary["engine"], run.summary["backend"], run.summary["slots"]
         for r in run.summary["results"]:
