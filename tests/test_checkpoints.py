@@ -207,17 +207,20 @@ def test_a_run_resumes_from_the_checkpoints_of_a_crashed_batch(tmp_path, monkeyp
 def test_ctrl_c_writes_the_checkpoints_and_the_rerun_goes_on_from_them(tmp_path, monkeypatch):
     """Ctrl-C during a run (the default interval, never due here): the lanes stop at their next
     chunk and write their checkpoints on the way out (runner._run_side_by_side's cancel)."""
-    import _thread
+    import ctypes
     import time
 
     seen = counted_chunks(monkeypatch)
     whole = runner.run(EXP, tmp_path / "whole", progress=False, lanes=1)
     chunks = len(seen)
+    caller = threading.get_ident()  # the thread running runner.run (an xdist worker may not be the main one)
 
     def ctrl_c(n: int) -> None:
-        if n == 2:
-            _thread.interrupt_main()  # as a SIGINT would
-            time.sleep(1.0)  # the main thread sets the cancel event before this chunk ends
+        if n == 2:  # a KeyboardInterrupt in the caller's thread, as Ctrl-C raises it in the main thread
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(caller), ctypes.py_object(KeyboardInterrupt)
+            )
+            time.sleep(1.0)  # the caller sets the cancel event before this chunk ends
 
     seen = counted_chunks(monkeypatch, ctrl_c)
     out = tmp_path / "run"
