@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -413,6 +414,25 @@ def _hub_rows(
         raise MeshHealError(f"cannot load {where} from the Hugging Face hub: {first}") from None
     for n, row in enumerate(table, 1):
         yield n, dict(row)
+
+
+def hub_commit(hub_id: str, revision: str | None = None) -> str | None:
+    """The commit of the Hugging Face dataset repo `hub_id` that `revision` (a branch, tag or commit;
+    default the main branch) names, asked of the hub (`huggingface_hub`), so a run can read and
+    record that one commit. None when it cannot be asked: offline (HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE set), no `huggingface_hub`, or any error; the data is then read at
+    `revision` as given, and no commit is recorded."""
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    if any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+           for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):  # fmt: skip
+        return None
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(hub_id, revision=revision, timeout=10).sha
+    except Exception:  # noqa: BLE001 - no network, no package, unknown id: the load says what is wrong
+        return None
 
 
 def load_hub(

@@ -476,11 +476,24 @@ def _backend_flags(exp: dict) -> list[str]:
     return flags
 
 
+def _pinned(config: dict) -> dict:
+    """config.json's experiment with each hub dataset read at no given revision pinned to the
+    commit the run read (its inputs' `questions DATASET` commit), so a rerun reads the same data."""
+    exp = config.get("experiment", {})
+    live = exp.get("live") or {}
+    hub = {d: dict(source) for d, source in (live.get("hub") or {}).items()}
+    for d, source in hub.items():
+        commit = (config.get("inputs") or {}).get(f"questions {d}", {}).get("commit")
+        if commit and not source.get("revision"):
+            source["revision"] = commit
+    return {**exp, "live": {**live, "hub": hub}} if hub else exp
+
+
 def reproduce_commands(config: dict, run_dir: Path | None = None) -> list[str]:
     """Shell commands that re-run the experiment of config.json (one per pair, and per dataset
     where the CLI takes one), then regenerate this report. A config carrying "argv" (the
     command-line arguments the run was started with) is reproduced from it verbatim."""
-    exp = config.get("experiment", {})
+    exp = _pinned(config)
     name = str(exp.get("name", "main"))
     module = f"python -m meshheal_jax.{name}"
     commands = []

@@ -174,8 +174,9 @@ class LiveSettings:
         profile = load_profile(dataset, profiles_dir)
         if self.data == "hub":
             source = self.hub_source(dataset)
+            revision = hub_commit(self, dataset) or source.revision  # the commit, when the hub can be asked
             return data.load_hub(dataset, hub_id=source.hub_id, split=source.split, profile=profile,
-                                 config=source.config, revision=source.revision)  # fmt: skip
+                                 config=source.config, revision=revision)  # fmt: skip
         if self.data == "sample":
             return data.load_sample(dataset, profile)
         return data.load_local(dataset, self.data, profile)
@@ -519,6 +520,8 @@ def input_digests(exp: Experiment) -> dict[str, dict]:
                 "path": exp.live.data,
                 "sha256": hashlib.sha256(text.encode()).hexdigest(),
             }
+            if exp.live.data == "hub":  # the commit read (None: the hub could not be asked)
+                out[f"questions {d}"]["commit"] = hub_commit(exp.live, d)
         if exp.live.tokenizer is not None:  # what counts the questions' tokens (emulated --tokenizer)
             from meshheal_jax.data import load_tokenizer
 
@@ -578,6 +581,16 @@ def _stream_inputs(exp: Experiment, dataset: str, pair_name: str, seed: int, met
         stream = with_question_tokens(stream, *_pool_tokens(exp.live, dataset, exp.profiles_dir))
     labels = {"method": method, "dataset": dataset, "pair": pair_name, "seed": seed}
     return network, stream, load_pair(pair_name, exp.params_dir), labels
+
+
+@functools.lru_cache(maxsize=8)
+def hub_commit(source: LiveSettings, dataset: str) -> str | None:
+    """The hub commit `--data hub` reads `dataset` at (data.hub_commit of its id and revision), asked
+    once per process: the questions are read at it and config.json's inputs record it."""
+    from meshheal_jax import data
+
+    hub = source.hub_source(dataset)
+    return data.hub_commit(hub.hub_id, hub.revision)
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,6 +15,10 @@ _FAST = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST).strip()
 
+# The Hugging Face hub is never asked from a test (no network here; data.hub_commit then answers
+# None): the hub tests answer through stubs of `datasets` and of data.hub_commit.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import copy
 import tomllib
 

@@ -525,3 +525,25 @@ def test_pick_questions_rejects_bad_arrays():
         data.pick_questions(pool, np.array([0]), np.array([-1]), seed=0)
     with pytest.raises(MeshHealError, match="seeds must be >= 0"):
         data.pick_questions(pool, np.array([0]), np.array([0]), seed=-1)
+
+
+def test_hub_commit_asks_the_hub_only_when_it_can(monkeypatch):
+    sha = "0123456789abcdef" * 2 + "01234567"
+    assert data.hub_commit("any/id", sha) == sha  # a commit names itself
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert data.hub_commit("any/id") is None  # offline: not asked
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    asked = []
+
+    class HfApi:  # a stand-in for huggingface_hub's client (no hub here)
+        def dataset_info(self, repo_id, revision=None, timeout=None):
+            asked.append((repo_id, revision, timeout))
+            if repo_id == "gone/id":
+                raise OSError("404")
+            return types.SimpleNamespace(sha=sha)
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(HfApi=HfApi))
+    assert data.hub_commit("EleutherAI/hendrycks_math", "v1") == sha
+    assert data.hub_commit("gone/id") is None  # any error: read as given
+    assert asked == [("EleutherAI/hendrycks_math", "v1", 10), ("gone/id", None, 10)]

@@ -257,8 +257,36 @@ def hub_stub(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     runner.read_questions.cache_clear()
+    runner.hub_commit.cache_clear()
     yield loaded
     runner.read_questions.cache_clear()
+    runner.hub_commit.cache_clear()
+
+
+def test_a_hub_run_reads_and_records_one_commit(monkeypatch, hub_stub, tmp_path):
+    """When the hub can be asked (data.hub_commit, a stub here), the questions are read at the commit
+    the revision names, config.json's inputs record it, and report.md's command pins it."""
+    commit, asked = "c0ffee" * 6 + "abcd", []
+    monkeypatch.setattr(
+        data, "hub_commit", lambda hub_id, revision=None: asked.append((hub_id, revision)) or commit
+    )
+    exp = hub_experiment("--datasets", "math", "--hub-id", "math=HuggingFaceH4/MATH-500")
+    assert hub_stub == [("HuggingFaceH4/MATH-500", None, "test", {"revision": commit})]
+    config = json.loads((runner.prepare_run_dir(exp, tmp_path / "run") / "config.json").read_text())
+    assert config["inputs"]["questions math"]["commit"] == commit
+    assert asked == [("HuggingFaceH4/MATH-500", None)]  # asked once per process
+    (command, _) = report.reproduce_commands(config)
+    assert f"--hub-revision math={commit}" in command
+    monkeypatch.setattr(
+        data, "hub_commit", lambda hub_id, revision=None: None
+    )  # offline: as given, none kept
+    runner.hub_commit.cache_clear()
+    runner.read_questions.cache_clear()
+    exp = hub_experiment("--datasets", "math", "--hub-id", "math=HuggingFaceH4/MATH-500")
+    assert hub_stub[-1][3] == {}
+    config = json.loads((runner.prepare_run_dir(exp, tmp_path / "offline") / "config.json").read_text())
+    assert config["inputs"]["questions math"]["commit"] is None
+    assert "--hub-revision" not in report.reproduce_commands(config)[0]
 
 
 def test_hub_flags_reach_load_hub_and_the_datasets_loader(monkeypatch, hub_stub):
