@@ -55,11 +55,7 @@ class Checkpoints:
     often to write them (seconds; 0 = after every chunk)."""
 
     folders: list[Path]
-    every_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not self.every_s >= 0:
-            raise ValueError(f"checkpoint interval must be >= 0 seconds, got {self.every_s}")
+    every_s: float = 60.0  # (runner.run checks it, with the flag's name)
 
     def committed(self, m: int) -> bool:
         """Whether stream m has a checkpoint; a folder without its commit (a first save cut short)

@@ -602,9 +602,7 @@ def question_tokens(records: Sequence[Record], dataset: str, tokenizer=None) -> 
         for r in records
     ]
     if tokenizer is not None:
-        counts = (
-            [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)] if texts else []
-        )
+        counts = [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
     else:
         counts = [-(-len(text) // CHARS_PER_TOKEN) for text in texts]
     return np.array([max(1, c) for c in counts], dtype=np.int32)

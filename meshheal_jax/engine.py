@@ -1763,8 +1763,6 @@ def restore(checkpoints: Checkpoints, carry: Carry, members: list[int], kept: li
                 jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(restored[m][0])
             ):
                 leaf[s] = value
-    if not any(r is not None for r in restored.values()):
-        return carry
     return jax.tree.map(jnp.asarray, host)
 
 

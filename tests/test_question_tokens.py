@@ -186,15 +186,10 @@ def test_a_live_run_reads_its_questions_when_validated_and_keeps_their_digest(tm
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    tokenizers = pytest.importorskip("tokenizers")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<unk>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator((r.question for d in data.DATASETS for r in data.load_sample(d)), trainer)
+    pytest.importorskip("tokenizers")
+    from meshheal_jax.backends.tiny_server import train_bpe
+
+    bpe = train_bpe((r.question for d in data.DATASETS for r in data.load_sample(d)), 300, ["<unk>"])
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     bpe.save(str(path))
     return path

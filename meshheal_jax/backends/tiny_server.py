@@ -55,22 +55,15 @@ def unavailable() -> str | None:
 def build_tiny_llama(out_dir: Path | str) -> None:
     """A 2-layer, 64-wide random Llama with a BPE tokenizer trained here: no download."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
     corpus = [
         prompts.SYSTEM_PROMPT,
         "RESULT: (A) COMPETENCE_MATCH:yes",
         json.dumps({"half_correct": 0.5}),
     ] * 20
-    tokenizer.train_from_iterator(corpus, trainer)
+    specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tokenizer = train_bpe(corpus, 512, specials)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
     )
@@ -87,6 +80,21 @@ def build_tiny_llama(out_dir: Path | str) -> None:
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(out_dir)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out_dir)
+
+
+def train_bpe(corpus, vocab_size: int, specials: list[str]):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `corpus` (specials first, "<unk>" the
+    unknown token): a real tokenizer with no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
 
 
 def free_port() -> int:
