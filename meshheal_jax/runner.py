@@ -76,6 +76,7 @@ class HubSource:
     split: str | None = None  # default data.DEFAULT_SPLITS
     config: str | None = None  # None: no config, or one per task type (BBH, EleutherAI/hendrycks_math)
     revision: str | None = None  # None: the hub's main branch
+    commit: str | None = None  # a resumed folder's recorded commit (`at_commits`); not a setting
 
     def resolved(self) -> HubSource:
         return dataclasses.replace(self, hub_id=self.hub_id or DEFAULT_HUB_IDS.get(self.dataset),
@@ -162,6 +163,13 @@ class LiveSettings:
         """Where `--data hub` reads `dataset`: the settings given for it, else load_hub's defaults."""
         given = next((source for source in self.hub if source.dataset == dataset), HubSource(dataset))
         return given.resolved()
+
+    def at_commits(self, commits: Mapping[str, str]) -> LiveSettings:
+        """These settings, reading each dataset of `commits` at that hub commit (HubSource.commit)
+        instead of asking where its revision points now."""
+        given = {source.dataset: source for source in self.hub}
+        pinned = tuple(dataclasses.replace(given.get(d, HubSource(d)), commit=c) for d, c in commits.items())
+        return dataclasses.replace(self, hub=(*(s for s in self.hub if s.dataset not in commits), *pinned))
 
     def hub_record(self, datasets: Sequence[str]) -> dict:
         """config.json's live.hub: where each dataset of the run is read from the hub (none unless --data hub)."""
@@ -590,7 +598,25 @@ def hub_commit(source: LiveSettings, dataset: str) -> str | None:
     from meshheal_jax import data
 
     hub = source.hub_source(dataset)
-    return data.hub_commit(hub.hub_id, hub.revision)
+    return hub.commit or data.hub_commit(hub.hub_id, hub.revision)
+
+
+def with_recorded_commits(exp: Experiment, out: Path | None) -> Experiment:
+    """`exp`, reading each `--data hub` dataset at the commit its run folder `out` recorded
+    (config.json's inputs), when there is one: a resume reads what the finished streams were made
+    from, wherever the branch points now (docs/decisions.md L5). Anything unreadable is left to
+    prepare_run_dir to name."""
+    if out is None or exp.live is None or exp.live.data != "hub":
+        return exp
+    try:
+        inputs = json.loads((Path(out) / "config.json").read_text())["inputs"]
+        commits = {
+            d: inputs[f"questions {d}"].get("commit") for d in exp.datasets if f"questions {d}" in inputs
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return exp
+    commits = {d: c for d, c in commits.items() if isinstance(c, str)}
+    return dataclasses.replace(exp, live=exp.live.at_commits(commits)) if commits else exp
 
 
 @functools.lru_cache(maxsize=8)
@@ -764,6 +790,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     `checkpoint_every`: seconds between checkpoints of the JAX engine's unfinished MeshHeal streams
     (run_dir/checkpoints; also written when the run is stopped; 0 = after every chunk); a rerun
     goes on from them (docs/decisions.md X1)."""
+    exp = with_recorded_commits(exp, out)
     exp.validate()
     check_lanes(lanes)
     if not checkpoint_every >= 0:

@@ -6,6 +6,7 @@ test_live_server.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import types
 
@@ -287,6 +288,40 @@ def test_a_hub_run_reads_and_records_one_commit(monkeypatch, hub_stub, tmp_path)
     config = json.loads((runner.prepare_run_dir(exp, tmp_path / "offline") / "config.json").read_text())
     assert config["inputs"]["questions math"]["commit"] is None
     assert "--hub-revision" not in report.reproduce_commands(config)[0]
+
+
+def test_a_resume_reads_the_commit_its_folder_recorded(monkeypatch, hub_stub, tmp_path):
+    """An emulated `--data hub` run (the reference engine: no compile) is cut short, then the hub's
+    branch moves to a commit whose questions differ. The rerun reads the recorded commit: it resumes,
+    and the stream it runs again is the same as before. A new folder reads the new commit."""
+    old, new = "a" * 40, "b" * 40
+    head = [old]
+    monkeypatch.setattr(data, "hub_commit", lambda hub_id, revision=None: head[0])
+    stub_load = sys.modules["datasets"].load_dataset
+
+    def load_dataset(hub_id, config=None, split=None, **kwargs):
+        rows = stub_load(hub_id, config, split, **kwargs)
+        if kwargs.get("revision") == new:  # the moved branch: other texts
+            rows = [{**row, "problem": row["problem"] + " Show your work."} for row in rows]
+        return rows
+
+    monkeypatch.setattr(sys.modules["datasets"], "load_dataset", load_dataset)
+    exp = runner.Experiment("main", ("math",), ("default",), (0, 1), engine="reference", n_tasks=84,
+                            live=runner.LiveSettings((), (), data="hub"))  # fmt: skip
+    first = runner.run(exp, tmp_path / "run", progress=False)
+    one_read = len(hub_stub)  # (a load_dataset call per MATH subject)
+    shutil.rmtree(runner._part_dir(tmp_path / "run", "meshheal", "math", "default", 1))  # cut short
+    head[0] = new
+    runner.hub_commit.cache_clear()  # a new process: the hub is asked again
+    runner.read_questions.cache_clear()
+    before = len(hub_stub)
+    again = runner.run(exp, tmp_path / "run", progress=False)
+    assert [kwargs for *_, kwargs in hub_stub[before:]] == [{"revision": old}] * one_read  # the old commit
+    for name in exp.tables:
+        assert getattr(again, name).equals(getattr(first, name)), name
+    fresh = runner.prepare_run_dir(exp, tmp_path / "fresh")
+    assert json.loads((fresh / "config.json").read_text())["inputs"]["questions math"]["commit"] == new
+    assert hub_stub[-1][3] == {"revision": new}
 
 
 def test_hub_flags_reach_load_hub_and_the_datasets_loader(monkeypatch, hub_stub):
