@@ -255,10 +255,16 @@ server.serve_forever()
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(n: int) -> tuple[int, ...]:
+    """n distinct free ports: all bound at once (ports asked one after another may repeat)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(sock.getsockname()[1] for sock in socks)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @pytest.fixture
@@ -269,7 +275,7 @@ def fake_vllm(tmp_path):
     exe.write_text(FAKE_VLLM.replace("PYTHON", sys.executable))
     exe.chmod(0o755)
     record = tmp_path / "record.jsonl"
-    ports = (free_port(), free_port())
+    ports = free_ports(2)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "FAKE_VLLM_RECORD": str(record),
