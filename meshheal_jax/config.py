@@ -13,6 +13,7 @@ from meshheal_jax.errors import MeshHealError
 
 VARIANTS = ("full", "single_reviewer", "no_takeover")
 NEXT_HOP_TIES = ("random", "lowest")
+CONVERGENCE = ("instant", "hop_per_task")
 DETECTORS = ("relative", "absolute", "cusum")
 
 
@@ -36,6 +37,11 @@ class ProtocolParams:
     # drawn uniformly with the visit's tie draw ("random"), or is the lowest-index one ("lowest":
     # the rule the spec rejects because it starves some holders of all routed work)
     next_hop_ties: str = "random"
+    # DECISION (protocol.md §2): after a routing state changes, the distance tables are recomputed to
+    # convergence before the next routing decision ("instant", the default), or, the extension the
+    # spec names, news travels one hop per task ("hop_per_task": every task's start takes one
+    # synchronous Bellman-Ford step over the neighbours' tables; docs/decisions.md P6)
+    convergence: str = "instant"
     # MeshHeal variant (spec/experiments.md §4, baselines.md "Ablations"):
     #   full | single_reviewer (the initial reviewer is the whole committee, in two contexts, and
     #   writes the Takeover alone: one synthesis call) | no_takeover (low scores leave the output)
@@ -60,6 +66,8 @@ class ProtocolParams:
             raise MeshHealError(
                 f"unknown next_hop_ties {self.next_hop_ties!r}; known: {', '.join(NEXT_HOP_TIES)}"
             )
+        if self.convergence not in CONVERGENCE:
+            raise MeshHealError(f"unknown convergence {self.convergence!r}; known: {', '.join(CONVERGENCE)}")
         if self.detector not in DETECTORS:
             raise MeshHealError(f"unknown detector {self.detector!r}; known: {', '.join(DETECTORS)}")
         if not self.absolute_scale > 0:

@@ -97,6 +97,7 @@ class EngineConfig:
     route_loop: int = 12  # bound on moves handled inside one absorb (move_limit + 4)
     variant: str = "full"  # full | single_reviewer | no_takeover (config.VARIANTS): static, one program each
     detector: str = "relative"  # relative | absolute | cusum (config.DETECTORS): static, one program each
+    convergence: str = "instant"  # instant | hop_per_task (config.CONVERGENCE): static, one program each
 
 
 @pytree
@@ -354,6 +355,32 @@ def distance_tables(holds, nbr, state):
         return new, jnp.any(new != dist)
 
     return jax.lax.while_loop(lambda c: c[1], relax, (dist0, jnp.bool_(True)))[0]
+
+
+def relax_tables(holds, nbr, state, dist):
+    """One synchronous Bellman-Ford step ("hop_per_task" convergence, decisions P6): an eligible
+    agent is at 0, any other at 1 + its neighbours' nearest, from `dist`; N or more hops is INF."""
+    active = state != ISOLATED
+    source = jnp.concatenate([holds & active[:, None], active[:, None]], axis=1)
+    through = jnp.where((nbr >= 0)[:, :, None], dist[jnp.maximum(nbr, 0)], INF).min(axis=1) + 1
+    return jnp.where(source, 0, jnp.where(through < state.shape[0], through, INF)).astype(jnp.int32)
+
+
+def relax_for_tasks(world: World, net: Net, n_tasks) -> Net:
+    """`n_tasks` relaxation steps, one per task starting (ending early once the tables are the
+    converged ones, which relax to themselves)."""
+
+    def body(carry):
+        k, dist, _ = carry
+        new = relax_tables(world.holds, world.nbr, net.state, dist)
+        return k + 1, new, jnp.any(new != dist)
+
+    def more(carry):
+        k, _, changed = carry
+        return (k < n_tasks) & changed
+
+    _, dist, _ = jax.lax.while_loop(more, body, (jnp.int32(0), net.distance, jnp.bool_(True)))
+    return dataclasses.replace(net, distance=dist)
 
 
 STREAMS = "streams"  # the vmapped stream axis
@@ -795,17 +822,29 @@ def _move(p: Params, slot: Slots, to, action) -> Slots:
     return where_tree(over, _finish(slot, False, 1), moved)
 
 
-def _next_hop(p: Params, world: World, net: Net, slot: Slots, missing, u_route, action) -> Slots:
+def reach(cfg: EngineConfig, net: Net, i, valid, nbc, column):
+    """How far agent i reads `column`'s nearest provider to be: its own table's entry, or, with
+    hop_per_task convergence, one more than its nearest neighbour's (reference.ReferenceNetwork.reach)."""
+    if cfg.convergence == "instant":
+        return net.distance[i, column]
+    return jnp.where(valid, net.distance[nbc, column], INF).min() + 1
+
+
+def _next_hop(
+    cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, missing, u_route, action
+) -> Slots:
     i = slot.agent
     s = pick_from_mask(u_route[D.HOP_ABILITY], missing)
-    d = net.distance[i, s]
     nb, valid, nbc = neighbours_of(world, i)
+    d = reach(cfg, net, i, valid, nbc, s)
     j = pick_neighbour(u_route[D.HOP_TIE] * p.tie_scale, nb, valid & (net.distance[nbc, s] == d - 1))
     unreachable = d >= INF
     return where_tree(unreachable, _finish(slot, False, 2), _move(p, slot, j, action))
 
 
-def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> tuple[Net, Slots]:
+def _route_step(
+    cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t
+) -> tuple[Net, Slots]:
     """One decision at the current agent: relay, probe, handoff, or stop for a model call."""
     i = slot.agent
     u_route = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1)]
@@ -825,7 +864,7 @@ def _route_step(p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> t
     # a relay and a handoff are the same next hop, logged as different actions (one traced copy:
     # a relay starts from a non-probe visit, so both leave probe_visit False)
     hop_slot = dataclasses.replace(
-        _next_hop(p, world, net, slot, missing, u_route, jnp.where(isolated_relay, A_RELAY, A_HANDOFF)),
+        _next_hop(cfg, p, world, net, slot, missing, u_route, jnp.where(isolated_relay, A_RELAY, A_HANDOFF)),
         probe_visit=jnp.bool_(False))  # fmt: skip
     probe_slot = dataclasses.replace(_move(p, slot, j, A_PROBE), probe_visit=jnp.bool_(True))
     work_slot = dataclasses.replace(slot, phase=jnp.int32(GENERATE), ability=jnp.argmax(held).astype(jnp.int32),
@@ -844,7 +883,7 @@ def _route(
 
     def body(carry):
         n, probed, slot = carry
-        j, stepped = _route_step(p, world, net, slot, t, draws_t)
+        j, stepped = _route_step(cfg, p, world, net, slot, t, draws_t)
         active = slot.phase == ROUTE
         probed = jnp.where(active & (j >= 0), j, probed)
         return n + 1, probed, where_tree(active, stepped, slot)
@@ -877,8 +916,8 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         n, slot = carry
         i = slot.agent
         relay = (slot.phase == INFER) & (net.state[i] == ISOLATED)
-        d = net.distance[i, column]
         nb, valid, nbc = neighbours_of(world, i)
+        d = reach(cfg, net, i, valid, nbc, column)
         j = pick_neighbour(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE] * p.tie_scale, nb,
                            valid & (net.distance[nbc, column] == d - 1))  # fmt: skip
         moved = where_tree(d >= INF, _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))
@@ -1265,7 +1304,7 @@ def absorb_route(
         contributed, covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False)
     )
     missing = world.pair_abilities[contributed.pair] & ~covered
-    handed = _next_hop(p, world, net, contributed, missing, u_route, A_HANDOFF)
+    handed = _next_hop(cfg, p, world, net, contributed, missing, u_route, A_HANDOFF)
     handed = dataclasses.replace(
         handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32)
     )
@@ -1277,7 +1316,8 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
     """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
     new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
     net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector)
-    net = refresh_distances(world, net, isolation_changed(obs))
+    if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
+        net = refresh_distances(world, net, isolation_changed(obs))
     probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)
     return stamp_probes(net, probed, slot.t), new, dataclasses.replace(record, obs=obs)
 
@@ -1366,12 +1406,15 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
     ts = (carry.next_t + jnp.cumsum(idle) - 1).astype(jnp.int32)
     wants = idle & (ts <= cfg.n_tasks)
     ts = jnp.minimum(ts, cfg.n_tasks)
+    net = carry.net
+    if cfg.convergence == "hop_per_task":  # the round's starting tasks' steps, before they start
+        net = relax_for_tasks(world, net, wants.sum())
 
     def start():
         # busy slots' ts are placeholders (next_t - 1 before the first idle slot: index -1 of the
         # window, wrapped); their draws are discarded by `pick`, only the wanted slots' are read
         draws = slot_draws(window, ts)
-        started = jax.vmap(lambda slot, t, d: dataclasses.replace(_start(cfg, p, world, carry.net, slot, t, d),
+        started = jax.vmap(lambda slot, t, d: dataclasses.replace(_start(cfg, p, world, net, slot, t, d),
                                                                   pair=jnp.int32(-1)))(slots, ts, draws)  # fmt: skip
 
         def pick(new, old):
@@ -1384,7 +1427,7 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
 
     slots, backend, draws = jax.lax.cond(across_streams(wants.any()), start,
                                          lambda: (slots, carry.backend, carry.draws))  # fmt: skip
-    return dataclasses.replace(carry, slots=slots, backend=backend, draws=draws, window=window,
+    return dataclasses.replace(carry, net=net, slots=slots, backend=backend, draws=draws, window=window,
                                next_t=(carry.next_t + wants.sum()).astype(jnp.int32))  # fmt: skip
 
 
@@ -1415,7 +1458,8 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
     # the detector takes the round's evidence in task order (computed in waves of independent observations)
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
     net, observations = observe_round(p, world, net, evidence, order, reviews.obs, cfg.detector)
-    net = refresh_distances(world, net, jnp.any(isolation_changed(observations)))
+    if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
+        net = refresh_distances(world, net, jnp.any(isolation_changed(observations)))
     reviews = dataclasses.replace(reviews, obs=observations)
     # then every slot routes on the updated network (vectorised); probes stamp their timers
     probed, slots = jax.vmap(absorb_route, in_axes=(None, None, None, None, 0, 0, 0, 0))(
@@ -1555,7 +1599,7 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
         n_agents=first.network.n_agents, n_abilities=len(profile.abilities), n_types=len(profile.task_types),
         n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
         window_shortfalls=protocol.window_shortfalls, route_loop=protocol.move_limit + 4,
-        variant=protocol.variant, detector=protocol.detector,
+        variant=protocol.variant, detector=protocol.detector, convergence=protocol.convergence,
     )  # fmt: skip
 
 

@@ -330,6 +330,7 @@ class ReferenceNetwork:
         self.n_shortfalls = {k: 0 for k in keys}
         self.cusum = {k: 0.0 for k in keys}  # CUSUM statistic S per key (detector "cusum")
         self.distance = self.distance_tables()
+        self.settled = True  # the tables are the converged ones for the current states (hop_per_task)
 
     def holds(self, agent: int, ability: int) -> bool:
         return bool(self.net.holds[agent, ability])
@@ -355,8 +356,29 @@ class ReferenceNetwork:
             columns.append(dist)
         return [[columns[s][i] for s in range(self.n_abilities + 1)] for i in range(self.n)]
 
+    def relax(self) -> list[list[int]]:
+        """One synchronous Bellman-Ford step ("hop_per_task" convergence, decisions P6): an eligible
+        agent is at 0, any other at 1 + its neighbours' nearest, from the tables as they were; a
+        value of N or more hops is INF (no shortest path is that long)."""
+        out = []
+        for i in range(self.n):
+            row = []
+            for s in range(self.n_abilities + 1):
+                source = self.state[i] != ISOLATED and (s == self.n_abilities or self.holds(i, s))
+                through = min([self.distance[j][s] for j in self.neighbours[i]], default=INF) + 1
+                row.append(0 if source else (through if through < self.n else INF))
+            out.append(row)
+        return out
+
+    def reach(self, agent: int, column: int) -> int:
+        """How far the agent reads `column`'s nearest provider to be: its own table's entry, or, with
+        hop_per_task convergence, one more than its nearest neighbour's (the tables may disagree)."""
+        if self.p.convergence == "instant":
+            return self.distance[agent][column]
+        return min([self.distance[j][column] for j in self.neighbours[agent]], default=INF) + 1
+
     def next_hops(self, agent: int, column: int) -> list[int]:
-        d = self.distance[agent][column]
+        d = self.reach(agent, column)
         return [j for j in self.neighbours[agent] if self.distance[j][column] == d - 1]
 
     def probe_eligible(self, agent: int, t: int) -> bool:
@@ -384,7 +406,9 @@ class ReferenceNetwork:
         out.update(z=z, to=new, reason=reason)
         if new != self.state[i]:
             self.state[i] = new
-            self.distance = self.distance_tables()
+            if self.p.convergence == "instant":  # (hop_per_task: the next tasks' starts relax them)
+                self.distance = self.distance_tables()
+            self.settled = False
         return out
 
     def observe_absolute(self, i: int, task_type: int, s: int, q: float, t: int, warmup: int) -> dict:
@@ -488,6 +512,9 @@ class ReferenceEngine:
         self.u_route = self.draws.route[t - 1]
         self.u_calls = self.draws.calls[t - 1]
         n_calls_before = len(self.backend.calls)
+        if self.p.convergence == "hop_per_task" and not self.world.settled:  # news travels a hop per task
+            relaxed = self.world.relax()  # (converged tables relax to themselves: skipped)
+            self.world.settled, self.world.distance = relaxed == self.world.distance, relaxed
         try:
             self._execute(t)
         except Unanswered as why:
@@ -528,7 +555,7 @@ class ReferenceEngine:
     def _next_hop(self, agent: int, missing: list[int], action: str) -> None:
         u = self.u_route[self.task.moves]
         s = missing[pick(u[D.HOP_ABILITY], len(missing))]
-        if self.world.distance[agent][s] >= INF:
+        if self.world.reach(agent, s) >= INF:
             raise Unanswered("unreachable ability")
         hops = self.world.next_hops(agent, s)
         self._move(hops[self._tie(u[D.HOP_TIE], len(hops))], action)
@@ -540,7 +567,7 @@ class ReferenceEngine:
         # 1. RawRelay from an isolated entry agent toward the nearest non-isolated agent.
         while world.state[task.agent] == ISOLATED:
             any_column = world.n_abilities
-            if world.distance[task.agent][any_column] >= INF:
+            if world.reach(task.agent, any_column) >= INF:
                 raise Unanswered("no non-isolated agent reachable")
             hops = world.next_hops(task.agent, any_column)
             self._move(hops[self._tie(self.u_route[task.moves][D.HOP_TIE], len(hops))], "rawrelay")

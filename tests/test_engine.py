@@ -165,6 +165,55 @@ def test_lowest_index_ties_equal_reference_and_change_routes():
         ProtocolParams(next_hop_ties="first")
 
 
+def test_hop_per_task_convergence_equals_reference_and_routes_on_stale_tables():
+    """convergence="hop_per_task" (protocol.md §2's extension, decisions P6): both engines relax the
+    tables one step per task and not when a state changes, so a task can still head for an agent
+    isolated during it. Every table equals the reference's. On the ring (seed 9) that happens once:
+    task 75 takes one more relay than with instant convergence (on these 6-agent graphs every
+    ability has three holders, so stale entries rarely change a next hop)."""
+    path = (sparse_spec(PATH_6, (0, 1, 5), 0),
+            ProtocolParams(probe_interval=2, warmup_per_six=3, route_limit=2, move_limit=3))  # fmt: skip
+    ring = (sparse_spec(RING_6, (3, 5), 9), ProtocolParams(probe_interval=3, warmup_per_six=5, move_limit=3))
+    for spec, protocol in (path, ring):
+        hop = dataclasses.replace(protocol, convergence="hop_per_task")
+        tables = assert_equal_to_reference([spec], hop)[0]
+    instant = engine.run_streams([ring[0]], ring[1], lanes=1)[0]
+    differ = tables["tasks"].filter(tables["tasks"]["route"] != instant["tasks"]["route"])
+    assert differ["t"].to_list() == [75]
+    assert routing_events(tables, hop)["relay"] == routing_events(instant, ring[1])["relay"] + 1
+    with pytest.raises(MeshHealError, match="unknown convergence 'slow'"):
+        ProtocolParams(convergence="slow")
+
+
+def test_hop_per_task_convergence_main_stream_equals_reference():
+    """A 504-task MMLU-Pro stream on the complete graph: an isolation's news reaches every agent
+    in one step there, and the engines still agree record by record."""
+    assert_equal_to_reference(
+        [main_spec("mmlu_pro", 1)], dataclasses.replace(PROTOCOL, convergence="hop_per_task")
+    )
+
+
+def test_hop_per_task_convergence_with_tasks_in_flight():
+    """Slots > 1: each round's starting tasks relax the tables before they start, one step each
+    (a while loop whose length differs per stream under the vmap). Every task finishes, and a
+    stream batched with another equals it run alone."""
+    from meshheal_jax import runner
+
+    hop = dataclasses.replace(PROTOCOL, convergence="hop_per_task")
+    exp = runner.Experiment("scale", ("bbh",), ("default",), (0, 1), n_agents=24, slots=4, n_tasks=336,
+                            degraded=None, topology="sparse", protocol=hop)  # fmt: skip
+    specs = []
+    for seed in exp.seeds:
+        network, stream, pair, labels = runner._stream_inputs(exp, "bbh", "default", seed)
+        specs.append(engine.StreamSpec(network, stream, exp.schedule(), pair, labels))
+    together = engine.run_streams(specs, hop, slots=4, lanes=1)
+    alone = engine.run_streams(specs[1:], hop, slots=4, lanes=1)[0]
+    assert together[0]["tasks"]["t"].to_list() == list(range(1, 337))
+    assert (together[0]["states"]["to"] == "isolated").any()
+    for table in TABLES:
+        assert first_difference(together[1][table], alone[table], table) is None
+
+
 def test_vmap_equals_separate_runs_and_is_deterministic():
     specs = [main_spec("math", s, 84) for s in (0, 1, 2)]
     together = engine.run_streams(specs, PROTOCOL, lanes=1)

@@ -157,3 +157,78 @@ def test_tables_recomputed_on_state_change_via_observe():
         world.observe(3, 0, spatial, 0.0, t, warmup=30)
     assert world.state[3] == R.ISOLATED
     assert world.distance[0][spatial] == R.INF
+
+
+# -- convergence="hop_per_task" (protocol.md §2's extension; decisions P6) -----------------------
+
+
+def hop_world(adjacency: np.ndarray, isolated: set[int]) -> R.ReferenceNetwork:
+    world = world_for(adjacency, isolated)
+    world.p = ProtocolParams(convergence="hop_per_task")
+    return world
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.sets(st.integers(0, 17)))
+def test_one_hop_per_task_reaches_the_converged_tables(scenario, now_isolated):
+    """From the tables of one set of isolated agents, after the set changes: each relaxation step
+    is the JAX engine's (engine.relax_tables), the converged tables relax to themselves, and at most
+    N steps reach them (news travels a hop per step; a value counting up reaches INF at N hops)."""
+    import jax.numpy as jnp
+
+    from meshheal_jax import engine
+
+    adjacency, isolated = scenario
+    n = adjacency.shape[0]
+    world = hop_world(adjacency, isolated)
+    world.state = [R.ISOLATED if i in now_isolated else R.NORMAL for i in range(n)]
+    converged = world.distance_tables()
+    holds = jnp.asarray(world.net.holds)
+    nbr = np.full((n, n), -1, np.int32)
+    for i in range(n):
+        nbr[i, : len(world.neighbours[i])] = world.neighbours[i]
+    state = jnp.asarray([engine.ISOLATED if s == R.ISOLATED else engine.NORMAL for s in world.state])
+    for _ in range(n):
+        relaxed = world.relax()
+        jax_relaxed = engine.relax_tables(
+            holds, jnp.asarray(nbr), state, jnp.asarray(world.distance, jnp.int32)
+        )
+        assert np.asarray(jax_relaxed).tolist() == relaxed
+        world.distance = relaxed
+    assert world.distance == converged
+    assert world.relax() == converged
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_hop_per_task_routes_as_instant_on_converged_tables(scenario):
+    """On converged tables the rule for stale ones (next hops: the nearest neighbours, reach: one
+    more than theirs) picks exactly the instant rule's next hops."""
+    adjacency, isolated = scenario
+    instant, hop = world_for(adjacency, isolated), hop_world(adjacency, isolated)
+    for i in range(adjacency.shape[0]):
+        for col in range(N_ABILITIES + 1):
+            d = instant.distance[i][col]
+            if d == 0:  # a source: the engines never ask it for a next hop
+                continue
+            assert min(hop.reach(i, col), R.INF) == d, (i, col)  # INF: the task ends unanswered
+            if d < R.INF:
+                assert hop.next_hops(i, col) == instant.next_hops(i, col), (i, col)
+
+
+def test_an_isolation_travels_one_hop_per_task():
+    """Path A1 - A2 - A3 - A4 - A5 - A6, 'spatial' held by A4, A5, A6: isolating A4 and A5 moves A1's
+    nearest holder from 3 to 5 hops, and A1 learns it one step at a time."""
+    adjacency = np.zeros((6, 6), dtype=bool)
+    for i in range(5):
+        adjacency[i, i + 1] = adjacency[i + 1, i] = True
+    s = BBH.abilities.index("spatial")
+    world = hop_world(adjacency, set())
+    assert [row[s] for row in world.distance] == [3, 2, 1, 0, 0, 0]
+    world.state[3] = world.state[4] = R.ISOLATED
+    seen = []
+    for _ in range(4):
+        world.distance = world.relax()
+        seen.append([row[s] for row in world.distance])
+    assert seen == [[3, 2, 1, 1, 1, 0], [3, 2, 2, 2, 1, 0], [3, 3, 3, 2, 1, 0], [4, 4, 3, 2, 1, 0]]
+    assert world.next_hops(0, s) == [1]
