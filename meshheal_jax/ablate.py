@@ -65,8 +65,8 @@ def run_all(
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary
     (`lanes`, `checkpoint_every`: runner.run's)."""
     runner.check_lanes(lanes)
-    for exp in experiments.values():  # every configuration checked before anything runs
-        exp.validate()
+    for key, exp in experiments.items():  # every configuration checked before anything runs
+        runner.with_recorded_commits(exp, out / key).validate()  # (a resume reads its recorded commits)
     out.mkdir(parents=True, exist_ok=True)
     entries, first = [], None
     for key, exp in experiments.items():

@@ -604,14 +604,18 @@ def hub_commit(source: LiveSettings, dataset: str) -> str | None:
 def with_recorded_commits(exp: Experiment, out: Path | None) -> Experiment:
     """`exp`, reading each `--data hub` dataset at the commit its run folder `out` recorded
     (config.json's inputs), when there is one: a resume reads what the finished streams were made
-    from, wherever the branch points now (docs/decisions.md L5). Anything unreadable is left to
-    prepare_run_dir to name."""
+    from, wherever the branch points now (docs/decisions.md L5). Only a dataset read from the same
+    hub source (id, split, config, revision) is pinned; anything else, and anything unreadable, is
+    left to prepare_run_dir to name."""
     if out is None or exp.live is None or exp.live.data != "hub":
         return exp
     try:
-        inputs = json.loads((Path(out) / "config.json").read_text())["inputs"]
+        config = json.loads((Path(out) / "config.json").read_text())
+        inputs, hub = config["inputs"], config["experiment"]["live"]["hub"]
         commits = {
-            d: inputs[f"questions {d}"].get("commit") for d in exp.datasets if f"questions {d}" in inputs
+            d: inputs[f"questions {d}"].get("commit")
+            for d in exp.datasets
+            if f"questions {d}" in inputs and hub.get(d) == exp.live.hub_source(d).fields()
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return exp

@@ -193,6 +193,41 @@ def test_hop_per_task_convergence_main_stream_equals_reference():
     )
 
 
+def random_graph_specs(count: int, n_tasks: int = 126) -> list[engine.StreamSpec]:
+    """6 math agents on random connected graphs (a random spanning tree, then each other edge with
+    probability 0.3), 1-3 random agents degraded from tasks 10, 20, 30 to the end."""
+    rng = np.random.default_rng(20261205)
+    profile = load_profile("math")
+    specs = []
+    for seed in range(count):
+        upper = np.triu(rng.random((6, 6)) < 0.3, 1)
+        order = rng.permutation(6)
+        for k in range(1, 6):  # agent order[k] joins the tree under an earlier one
+            a, b = sorted((int(order[k]), int(order[rng.integers(0, k)])))
+            upper[a, b] = True
+        degraded = [int(a) for a in rng.choice(6, size=int(rng.integers(1, 4)), replace=False)]
+        schedule = HealthSchedule(
+            6, n_tasks, tuple((a, 10 + 10 * k, n_tasks + 1) for k, a in enumerate(degraded))
+        )
+        stream = make_stream(seed, profile.dataset_id, n_tasks, 7, (1,), ("all",))
+        specs.append(engine.StreamSpec(build_network(profile, 6, upper | upper.T), stream, schedule, PAIR,
+                                       {"method": "meshheal", "dataset": "math", "pair": "default", "seed": seed}))  # fmt: skip
+    return specs
+
+
+@pytest.mark.parametrize("convergence", ["instant", "hop_per_task"])
+def test_random_graphs_equal_reference(convergence):
+    """Eight random graphs in one batch (one neighbour-table width), a tight budget and short
+    probe intervals: every table equals the reference's, with both convergence rules, and the
+    rarer paths occur somewhere in the batch (the budget's endings: the fixed path and ring cases)."""
+    protocol = ProtocolParams(probe_interval=3, warmup_per_six=5, route_limit=2, move_limit=4,
+                              convergence=convergence)  # fmt: skip
+    results = assert_equal_to_reference(random_graph_specs(8), protocol)
+    events = [routing_events(tables, protocol) for tables in results]
+    for name in ("unreachable ability", "rawrelay", "relay", "probe", "probe review", "isolated"):
+        assert sum(e[name] for e in events) > 0, (name, events)
+
+
 def test_hop_per_task_convergence_with_tasks_in_flight():
     """Slots > 1: each round's starting tasks relax the tables before they start, one step each
     (a while loop whose length differs per stream under the vmap). Every task finishes, and a

@@ -5,6 +5,7 @@ test_live_server.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -319,6 +320,12 @@ def test_a_resume_reads_the_commit_its_folder_recorded(monkeypatch, hub_stub, tm
     assert [kwargs for *_, kwargs in hub_stub[before:]] == [{"revision": old}] * one_read  # the old commit
     for name in exp.tables:
         assert getattr(again, name).equals(getattr(first, name)), name
+    other = dataclasses.replace(exp, live=runner.LiveSettings((), (), data="hub",
+                                                              hub=(runner.HubSource("math", "HuggingFaceH4/MATH-500"),)))  # fmt: skip
+    before = len(hub_stub)
+    with pytest.raises(MeshHealError, match=r"different configuration \(live.hub.math.hub_id differ\)"):
+        runner.run(other, tmp_path / "run", progress=False)  # another source: read at its own head, refused
+    assert {kwargs["revision"] for *_, kwargs in hub_stub[before:]} == {new}
     fresh = runner.prepare_run_dir(exp, tmp_path / "fresh")
     assert json.loads((fresh / "config.json").read_text())["inputs"]["questions math"]["commit"] == new
     assert hub_stub[-1][3] == {"revision": new}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
@@ -231,4 +232,52 @@ def test_an_isolation_travels_one_hop_per_task():
         world.distance = world.relax()
         seen.append([row[s] for row in world.distance])
     assert seen == [[3, 2, 1, 1, 1, 0], [3, 2, 2, 2, 1, 0], [3, 3, 3, 2, 1, 0], [4, 4, 3, 2, 1, 0]]
-    assert world.next_hops(0, s) == [1]
+    assert world.reach(0, s) == 5  # A1 reads A2's 4, one more: the converged distance
+
+
+def test_a_stale_table_sends_a_task_toward_the_isolated_agent():
+    """Ring A1 .. A6, 'spatial' held by A4, A5, A6. Isolating A4 and A5 leaves A6, three hops from
+    A3 either way round; one step after, A3 still reads A4 as one hop closer and sends the task to
+    it alone; a step later, both ways, as the converged tables do."""
+    adjacency = np.zeros((6, 6), dtype=bool)
+    for i in range(6):
+        adjacency[i, (i + 1) % 6] = adjacency[(i + 1) % 6, i] = True
+    s = BBH.abilities.index("spatial")
+    world = hop_world(adjacency, set())
+    world.state[3] = world.state[4] = R.ISOLATED
+    world.distance = world.relax()
+    assert [row[s] for row in world.distance] == [1, 2, 1, 1, 1, 0]
+    assert world.next_hops(2, s) == [3]
+    world.distance = world.relax()
+    assert world.next_hops(2, s) == [1, 3] == world_for(adjacency, {3, 4}).next_hops(2, s)
+
+
+def test_relax_for_tasks_takes_one_step_per_starting_task_per_stream():
+    """engine.relax_for_tasks under the stream vmap, two streams asking 1 and 3 steps: each gets
+    exactly that many reference steps (fewer once the tables relax to themselves)."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshheal_jax import engine
+    from meshheal_jax.streams import make_stream, persistent_schedule
+
+    adjacency = np.zeros((6, 6), dtype=bool)
+    for i in range(5):
+        adjacency[i, i + 1] = adjacency[i + 1, i] = True
+    network = topology.build_network(BBH, 6, adjacency)
+    world = engine.make_world(
+        network, make_stream(0, 0, 42, 7, (1,), ("all",)), persistent_schedule(6, 42, ())
+    )
+    cfg = engine.EngineConfig(n_agents=6, n_abilities=N_ABILITIES, n_types=len(BBH.task_types), n_tasks=42)
+    net = engine.initial_net(cfg, world)
+    net = dataclasses.replace(net, state=net.state.at[jnp.array([3, 4])].set(engine.ISOLATED))
+    both = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), (world, net))
+    relaxed = jax.vmap(engine.relax_for_tasks)(*both, jnp.array([1, 3]))
+    for stream, steps in enumerate((1, 3)):
+        ref = hop_world(adjacency, set())
+        ref.state[3] = ref.state[4] = R.ISOLATED
+        for _ in range(steps):
+            ref.distance = ref.relax()
+        assert np.asarray(relaxed.distance[stream]).tolist() == ref.distance, steps
+    many = engine.relax_for_tasks(world, net, jnp.int32(50))  # converged after at most N steps
+    assert np.asarray(many.distance).tolist() == ref.distance_tables()
