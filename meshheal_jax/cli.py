@@ -61,7 +61,8 @@ class CommonFlags:
     """live: the weak server's real model id (default: read from its /v1/models)"""
     live_config: Path | None = None
     """live: a TOML file with any of strong_url, weak_url (lists), strong_model, weak_model (real model ids),
-    strong_served_name, weak_served_name, max_in_flight, max_tokens, data, reasoning_effort and the tables
+    strong_served_name, weak_served_name, max_in_flight, max_tokens, data, reasoning_effort, tokenizer
+    (emulated runs) and the tables
     hub_id, hub_split, hub_config, hub_revision (dataset = value); flags given on the command line win"""
     data: str | None = None
     """the questions: hub (Hugging Face, live's default), sample (the packaged sample) or a folder of
