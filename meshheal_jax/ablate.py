@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
-from meshheal_jax.config import VARIANTS
+from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS
 from meshheal_jax.errors import MeshHealError
 
 
@@ -60,7 +60,7 @@ def run_all(
     out: Path,
     progress: bool,
     lanes: int | None = None,
-    checkpoint_every: float = 60.0,
+    checkpoint_every: float = CHECKPOINT_EVERY_S,
 ) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary
     (`lanes`, `checkpoint_every`: runner.run's)."""

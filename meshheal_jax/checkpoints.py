@@ -35,6 +35,8 @@ import jax
 import numpy as np
 import polars as pl
 
+from meshheal_jax.config import CHECKPOINT_EVERY_S
+
 STATE = "state.json"
 
 
@@ -55,7 +57,7 @@ class Checkpoints:
     often to write them (seconds; 0 = after every chunk)."""
 
     folders: list[Path]
-    every_s: float = 60.0  # (runner.run checks it, with the flag's name)
+    every_s: float = CHECKPOINT_EVERY_S  # (runner.run checks it, with the flag's name)
 
     def committed(self, m: int) -> bool:
         """Whether stream m has a checkpoint; a folder without its commit (a first save cut short)

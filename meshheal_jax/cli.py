@@ -14,7 +14,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from meshheal_jax.config import ProtocolParams
+from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.errors import MeshHealError
 
 
@@ -44,7 +44,7 @@ class CommonFlags:
     """jax engine: run MeshHeal's streams in this many lanes side by side, one thread each sharing one
     compiled program (default: one per CPU core on one CPU device, else 1; 1 = one batch; more than 1 is
     refused with several devices; the same records, floats up to the last bits; docs/decisions.md S7)"""
-    checkpoint_every: float = 60.0
+    checkpoint_every: float = CHECKPOINT_EVERY_S
     """jax engine, emulated: seconds between checkpoints of MeshHeal's unfinished streams (their engine
     state and records so far, in the run folder's checkpoints/; also written when the run is stopped);
     rerunning the command goes on from them (0 = after every chunk; docs/decisions.md X1)"""

@@ -14,6 +14,7 @@ from meshheal_jax.errors import MeshHealError
 VARIANTS = ("full", "single_reviewer", "no_takeover")
 NEXT_HOP_TIES = ("random", "lowest")
 CONVERGENCE = ("instant", "hop_per_task")
+CHECKPOINT_EVERY_S = 60.0  # default seconds between checkpoints of unfinished streams (decisions X1)
 DETECTORS = ("relative", "absolute", "cusum")
 
 

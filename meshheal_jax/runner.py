@@ -33,7 +33,7 @@ from rich.progress import Progress
 
 from meshheal_jax import graphs, metrics, reference
 from meshheal_jax.checkpoints import Checkpoints
-from meshheal_jax.config import ProtocolParams
+from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.data import (
     DATASETS,
     DEFAULT_HUB_IDS,
@@ -787,7 +787,7 @@ def check_lanes(lanes: int | None) -> None:
 
 
 def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: int | None = None,
-        checkpoint_every: float = 60.0) -> Results:  # fmt: skip
+        checkpoint_every: float = CHECKPOINT_EVERY_S) -> Results:  # fmt: skip
     """Run (or resume) an experiment; append each finished stream to the run folder. `lanes`: the
     JAX engine's MeshHeal streams of a pair run in that many lanes side by side, one thread each
     (default: one per CPU core; docs/decisions.md S7); the same records, floats up to the last bits.

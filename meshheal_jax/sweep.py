@@ -47,7 +47,7 @@ from rich.progress import Progress
 
 from meshheal_jax import metrics, runner
 from meshheal_jax.cli import CommonFlags, entrypoint, fmt, live_settings, new_table, print_table
-from meshheal_jax.config import ProtocolParams
+from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
 
@@ -599,7 +599,7 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
     if cfg.backend != "emulated":
         raise MeshHealError("a sweep runs on the emulator (one compiled program over the grid); "
                             "run single configurations live with main / recovery / ablate / detectors / scale")  # fmt: skip
-    if cfg.checkpoint_every != 60.0:
+    if cfg.checkpoint_every != CHECKPOINT_EVERY_S:
         raise MeshHealError(
             "a sweep takes no --checkpoint-every: it does not resume (it needs a new or empty --out)"
         )
