@@ -473,11 +473,7 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                     f"output folder {out} holds a run of an older layout (one method, parts without the method); "
                     "choose another --out"
                 )  # fmt: skip
-            before, now = (
-                comparable(previous.get("experiment")),
-                comparable(json.loads(json.dumps(exp.to_json()))),
-            )
-            changed = ", ".join(differences(before or {}, now or {})[:6])  # a key missing before: None
+            changed = ", ".join(changed_settings(previous.get("experiment"), exp)[:6])
             if changed:
                 raise MeshHealError(
                     f"output folder {out} holds a run of a different configuration ({changed} differ); "
@@ -539,6 +535,12 @@ def input_digests(exp: Experiment) -> dict[str, dict]:
                 "sha256": hashlib.sha256(text.encode()).hexdigest(),
             }
     return out
+
+
+def changed_settings(recorded: dict | None, exp: Experiment) -> list[str]:
+    """The settings (dotted keys) in which `exp` differs from a run folder's recorded experiment
+    (those that change results: `comparable`; a key missing before reads as None)."""
+    return differences(comparable(recorded) or {}, comparable(json.loads(json.dumps(exp.to_json()))) or {})
 
 
 def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
@@ -604,19 +606,15 @@ def hub_commit(source: LiveSettings, dataset: str) -> str | None:
 def with_recorded_commits(exp: Experiment, out: Path | None) -> Experiment:
     """`exp`, reading each `--data hub` dataset at the commit its run folder `out` recorded
     (config.json's inputs), when there is one: a resume reads what the finished streams were made
-    from, wherever the branch points now (docs/decisions.md L5). Only a dataset read from the same
-    hub source (id, split, config, revision) is pinned; anything else, and anything unreadable, is
-    left to prepare_run_dir to name."""
+    from, wherever the branch points now (docs/decisions.md L5). Only a folder holding the same
+    experiment is read; another, and anything unreadable, is left to prepare_run_dir to name."""
     if out is None or exp.live is None or exp.live.data != "hub":
         return exp
     try:
         config = json.loads((Path(out) / "config.json").read_text())
-        inputs, hub = config["inputs"], config["experiment"]["live"]["hub"]
-        commits = {
-            d: inputs[f"questions {d}"].get("commit")
-            for d in exp.datasets
-            if f"questions {d}" in inputs and hub.get(d) == exp.live.hub_source(d).fields()
-        }
+        if changed_settings(config["experiment"], exp):
+            return exp
+        commits = {d: config["inputs"].get(f"questions {d}", {}).get("commit") for d in exp.datasets}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return exp
     commits = {d: c for d, c in commits.items() if isinstance(c, str)}
