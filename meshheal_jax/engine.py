@@ -339,48 +339,48 @@ def initial_backend(n_slots: int) -> Backend:
 # ----------------------------------------------------------------------------------------------
 
 
-def distance_tables(holds, nbr, state):
-    """(N, A + 1) hop distances to the nearest eligible provider (Bellman-Ford to convergence
-    over the padded neighbour table; column A = nearest non-isolated agent)."""
+def _providers(holds, state):
+    """(N, A + 1): eligible providers of each ability (held, not isolated); column A: not isolated."""
     active = state != ISOLATED
-    source = jnp.concatenate([holds & active[:, None], active[:, None]], axis=1)
-    dist0 = jnp.where(source, 0, INF).astype(jnp.int32)
-    valid = (nbr >= 0)[:, :, None]
-    idx = jnp.maximum(nbr, 0)
-
-    def relax(carry):
-        dist, _ = carry
-        through = jnp.where(valid, dist[idx] + 1, INF).min(axis=1)  # (N, A + 1)
-        new = jnp.minimum(dist, jnp.minimum(through, INF))
-        return new, jnp.any(new != dist)
-
-    return jax.lax.while_loop(lambda c: c[1], relax, (dist0, jnp.bool_(True)))[0]
+    return jnp.concatenate([holds & active[:, None], active[:, None]], axis=1)
 
 
 def relax_tables(holds, nbr, state, dist):
-    """One synchronous Bellman-Ford step ("hop_per_task" convergence, decisions P6): an eligible
-    agent is at 0, any other at 1 + its neighbours' nearest, from `dist`; N or more hops is INF."""
-    active = state != ISOLATED
-    source = jnp.concatenate([holds & active[:, None], active[:, None]], axis=1)
+    """One synchronous Bellman-Ford step over the padded neighbour table: an eligible provider is
+    at 0, any other agent at 1 + its neighbours' nearest in `dist`; N or more hops is INF."""
     through = jnp.where((nbr >= 0)[:, :, None], dist[jnp.maximum(nbr, 0)], INF).min(axis=1) + 1
-    return jnp.where(source, 0, jnp.where(through < state.shape[0], through, INF)).astype(jnp.int32)
+    return jnp.where(_providers(holds, state), 0, jnp.where(through < state.shape[0], through, INF)).astype(
+        jnp.int32
+    )
 
 
-def relax_for_tasks(world: World, net: Net, n_tasks) -> Net:
-    """`n_tasks` relaxation steps, one per task starting (ending early once the tables are the
-    converged ones, which relax to themselves)."""
+def relax_steps(holds, nbr, state, dist, max_steps):
+    """At most `max_steps` relax_tables steps from `dist`, ending early at the converged tables
+    (which relax to themselves)."""
 
     def body(carry):
         k, dist, _ = carry
-        new = relax_tables(world.holds, world.nbr, net.state, dist)
+        new = relax_tables(holds, nbr, state, dist)
         return k + 1, new, jnp.any(new != dist)
 
     def more(carry):
         k, _, changed = carry
-        return (k < n_tasks) & changed
+        return (k < max_steps) & changed
 
-    _, dist, _ = jax.lax.while_loop(more, body, (jnp.int32(0), net.distance, jnp.bool_(True)))
-    return dataclasses.replace(net, distance=dist)
+    return jax.lax.while_loop(more, body, (jnp.int32(0), dist, jnp.bool_(True)))[1]
+
+
+def distance_tables(holds, nbr, state):
+    """(N, A + 1) hop distances to the nearest eligible provider (column A: the nearest
+    non-isolated agent): Bellman-Ford to convergence, from the providers alone."""
+    return relax_steps(holds, nbr, state, jnp.where(_providers(holds, state), 0, INF).astype(jnp.int32), INF)
+
+
+def relax_for_tasks(world: World, net: Net, n_tasks) -> Net:
+    """One relaxation step per task starting ("hop_per_task" convergence, decisions P6)."""
+    return dataclasses.replace(
+        net, distance=relax_steps(world.holds, world.nbr, net.state, net.distance, n_tasks)
+    )
 
 
 STREAMS = "streams"  # the vmapped stream axis
@@ -830,15 +830,19 @@ def reach(cfg: EngineConfig, net: Net, i, valid, nbc, column):
     return jnp.where(valid, net.distance[nbc, column], INF).min() + 1
 
 
+def _toward(cfg: EngineConfig, p: Params, world: World, net: Net, i, column, u_tie):
+    """A next hop from agent i toward `column`'s nearest provider (the neighbours one hop closer,
+    tie drawn by u_tie or the lowest index: next_hop_ties), and whether there is none (INF)."""
+    nb, valid, nbc = neighbours_of(world, i)
+    d = reach(cfg, net, i, valid, nbc, column)
+    return pick_neighbour(u_tie * p.tie_scale, nb, valid & (net.distance[nbc, column] == d - 1)), d >= INF
+
+
 def _next_hop(
     cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, missing, u_route, action
 ) -> Slots:
-    i = slot.agent
     s = pick_from_mask(u_route[D.HOP_ABILITY], missing)
-    nb, valid, nbc = neighbours_of(world, i)
-    d = reach(cfg, net, i, valid, nbc, s)
-    j = pick_neighbour(u_route[D.HOP_TIE] * p.tie_scale, nb, valid & (net.distance[nbc, s] == d - 1))
-    unreachable = d >= INF
+    j, unreachable = _toward(cfg, p, world, net, slot.agent, s, u_route[D.HOP_TIE])
     return where_tree(unreachable, _finish(slot, False, 2), _move(p, slot, j, action))
 
 
@@ -916,11 +920,9 @@ def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t,
         n, slot = carry
         i = slot.agent
         relay = (slot.phase == INFER) & (net.state[i] == ISOLATED)
-        nb, valid, nbc = neighbours_of(world, i)
-        d = reach(cfg, net, i, valid, nbc, column)
-        j = pick_neighbour(draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE] * p.tie_scale, nb,
-                           valid & (net.distance[nbc, column] == d - 1))  # fmt: skip
-        moved = where_tree(d >= INF, _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))
+        u_tie = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1), D.HOP_TIE]
+        j, unreachable = _toward(cfg, p, world, net, i, column, u_tie)
+        moved = where_tree(unreachable, _finish(slot, False, 3), _move(p, slot, j, A_RAWRELAY))
         return n + 1, where_tree(relay, moved, slot)
 
     def more(carry):

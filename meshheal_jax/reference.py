@@ -335,38 +335,34 @@ class ReferenceNetwork:
     def holds(self, agent: int, ability: int) -> bool:
         return bool(self.net.holds[agent, ability])
 
-    # -- §2 distance tables (distributed Bellman-Ford run to convergence) ---------------------
+    # -- §2 distance tables (distributed Bellman-Ford) --------------------------------------------
+
+    def provides(self, agent: int, column: int) -> bool:
+        """An eligible provider of ability `column` (held, not isolated); column n_abilities: any
+        non-isolated agent."""
+        return self.state[agent] != ISOLATED and (column == self.n_abilities or self.holds(agent, column))
 
     def distance_tables(self) -> list[list[int]]:
-        """distance[i][s] for s < n_abilities, and distance[i][n_abilities] = nearest non-isolated."""
-        columns = []
-        for s in range(self.n_abilities + 1):
-            if s < self.n_abilities:
-                source = [self.holds(i, s) and self.state[i] != ISOLATED for i in range(self.n)]
-            else:
-                source = [self.state[i] != ISOLATED for i in range(self.n)]
-            dist = [0 if source[i] else INF for i in range(self.n)]
-            changed = True
-            while changed:
-                changed = False
-                for i in range(self.n):
-                    best = min([dist[j] + 1 for j in self.neighbours[i]] + [dist[i]])
-                    if best < dist[i]:
-                        dist[i], changed = best, True
-            columns.append(dist)
-        return [[columns[s][i] for s in range(self.n_abilities + 1)] for i in range(self.n)]
+        """distance[i][s] for s < n_abilities, and distance[i][n_abilities] = nearest non-isolated:
+        Bellman-Ford to convergence, relaxing from the providers alone until nothing changes."""
+        tables = [
+            [0 if self.provides(i, s) else INF for s in range(self.n_abilities + 1)] for i in range(self.n)
+        ]
+        while (relaxed := self.relax(tables)) != tables:
+            tables = relaxed
+        return tables
 
-    def relax(self) -> list[list[int]]:
-        """One synchronous Bellman-Ford step ("hop_per_task" convergence, decisions P6): an eligible
-        agent is at 0, any other at 1 + its neighbours' nearest, from the tables as they were; a
-        value of N or more hops is INF (no shortest path is that long)."""
+    def relax(self, tables: list[list[int]] | None = None) -> list[list[int]]:
+        """One synchronous Bellman-Ford step from `tables` (default: the current ones; one per task
+        with "hop_per_task" convergence, decisions P6): a provider is at 0, any other agent at 1 +
+        its neighbours' nearest; N or more hops is INF (no shortest path is that long)."""
+        tables = self.distance if tables is None else tables
         out = []
         for i in range(self.n):
             row = []
             for s in range(self.n_abilities + 1):
-                source = self.state[i] != ISOLATED and (s == self.n_abilities or self.holds(i, s))
-                through = min([self.distance[j][s] for j in self.neighbours[i]], default=INF) + 1
-                row.append(0 if source else (through if through < self.n else INF))
+                through = min([tables[j][s] for j in self.neighbours[i]], default=INF) + 1
+                row.append(0 if self.provides(i, s) else (through if through < self.n else INF))
             out.append(row)
         return out
 
@@ -552,13 +548,17 @@ class ReferenceEngine:
         lowest index (ProtocolParams.next_hop_ties)."""
         return pick(u, n) if self.p.next_hop_ties == "random" else 0
 
-    def _next_hop(self, agent: int, missing: list[int], action: str) -> None:
-        u = self.u_route[self.task.moves]
-        s = missing[pick(u[D.HOP_ABILITY], len(missing))]
-        if self.world.reach(agent, s) >= INF:
-            raise Unanswered("unreachable ability")
-        hops = self.world.next_hops(agent, s)
-        self._move(hops[self._tie(u[D.HOP_TIE], len(hops))], action)
+    def _toward(self, column: int, action: str, unreachable: str) -> None:
+        """Move the task one hop toward `column`'s nearest provider (§2), or end it unanswered."""
+        agent = self.task.agent
+        if self.world.reach(agent, column) >= INF:
+            raise Unanswered(unreachable)
+        hops = self.world.next_hops(agent, column)
+        self._move(hops[self._tie(self.u_route[self.task.moves][D.HOP_TIE], len(hops))], action)
+
+    def _next_hop(self, missing: list[int], action: str) -> None:
+        s = missing[pick(self.u_route[self.task.moves][D.HOP_ABILITY], len(missing))]
+        self._toward(s, action, "unreachable ability")
 
     def _execute(self, t: int) -> None:
         task, world = self.task, self.world
@@ -566,11 +566,7 @@ class ReferenceEngine:
         task.route = [task.agent]
         # 1. RawRelay from an isolated entry agent toward the nearest non-isolated agent.
         while world.state[task.agent] == ISOLATED:
-            any_column = world.n_abilities
-            if world.reach(task.agent, any_column) >= INF:
-                raise Unanswered("no non-isolated agent reachable")
-            hops = world.next_hops(task.agent, any_column)
-            self._move(hops[self._tie(self.u_route[task.moves][D.HOP_TIE], len(hops))], "rawrelay")
+            self._toward(world.n_abilities, "rawrelay", "no non-isolated agent reachable")
         # 2. InferAbilities by the first non-isolated holder.
         true_pair = self.profile.pair_index(task.task_type)
         pairs = self.profile.pairs
@@ -587,7 +583,7 @@ class ReferenceEngine:
             i = task.agent
             missing = [s for s in required if s not in covered]
             if world.state[i] == ISOLATED and not probe_visit:
-                self._next_hop(i, missing, "relay")
+                self._next_hop(missing, "relay")
                 continue
             if not probe_visit:
                 candidates = [j for j in world.neighbours[i]
@@ -602,7 +598,7 @@ class ReferenceEngine:
                     continue
             held = [s for s in missing if world.holds(i, s)]
             if not held:
-                self._next_hop(i, missing, "handoff")
+                self._next_hop(missing, "handoff")
                 probe_visit = False
                 continue
             finalize = len(held) == len(missing)
@@ -616,7 +612,7 @@ class ReferenceEngine:
             covered.update(held)
             task.since_output = 0
             probe_visit = False
-            self._next_hop(i, [s for s in required if s not in covered], "handoff")
+            self._next_hop([s for s in required if s not in covered], "handoff")
 
     def _produce(self, author: int, held: list[int], finalize: bool, probe: bool) -> Output:
         """Contribute/Finalize: generate, review (§4), record evidence (§5). Returns the output used."""
