@@ -194,10 +194,9 @@ def test_hop_per_task_convergence_main_stream_equals_reference():
 
 
 def random_graph_specs(count: int, n_tasks: int = 126) -> list[engine.StreamSpec]:
-    """6 math agents on random connected graphs (a random spanning tree, then each other edge with
-    probability 0.3), 1-3 random agents degraded from tasks 10, 20, 30 to the end."""
+    """sparse_spec on random connected graphs (a random spanning tree, then each other edge with
+    probability 0.3), 1-3 random agents degraded."""
     rng = np.random.default_rng(20261205)
-    profile = load_profile("math")
     specs = []
     for seed in range(count):
         upper = np.triu(rng.random((6, 6)) < 0.3, 1)
@@ -205,13 +204,8 @@ def random_graph_specs(count: int, n_tasks: int = 126) -> list[engine.StreamSpec
         for k in range(1, 6):  # agent order[k] joins the tree under an earlier one
             a, b = sorted((int(order[k]), int(order[rng.integers(0, k)])))
             upper[a, b] = True
-        degraded = [int(a) for a in rng.choice(6, size=int(rng.integers(1, 4)), replace=False)]
-        schedule = HealthSchedule(
-            6, n_tasks, tuple((a, 10 + 10 * k, n_tasks + 1) for k, a in enumerate(degraded))
-        )
-        stream = make_stream(seed, profile.dataset_id, n_tasks, 7, (1,), ("all",))
-        specs.append(engine.StreamSpec(build_network(profile, 6, upper | upper.T), stream, schedule, PAIR,
-                                       {"method": "meshheal", "dataset": "math", "pair": "default", "seed": seed}))  # fmt: skip
+        degraded = tuple(int(a) for a in rng.choice(6, size=int(rng.integers(1, 4)), replace=False))
+        specs.append(sparse_spec(tuple(map(tuple, np.argwhere(upper).tolist())), degraded, seed, n_tasks))
     return specs
 
 

@@ -163,6 +163,14 @@ def test_tables_recomputed_on_state_change_via_observe():
 # -- convergence="hop_per_task" (protocol.md §2's extension; decisions P6) -----------------------
 
 
+def ring_6(closed: bool = True) -> np.ndarray:
+    """A1 - A2 - ... - A6 (and A6 - A1 when closed): the adjacency of a ring, or of a path."""
+    adjacency = np.zeros((6, 6), dtype=bool)
+    for i in range(6 if closed else 5):
+        adjacency[i, (i + 1) % 6] = adjacency[(i + 1) % 6, i] = True
+    return adjacency
+
+
 def hop_world(adjacency: np.ndarray, isolated: set[int]) -> R.ReferenceNetwork:
     world = world_for(adjacency, isolated)
     world.p = ProtocolParams(convergence="hop_per_task")
@@ -185,9 +193,7 @@ def test_one_hop_per_task_reaches_the_converged_tables(scenario, now_isolated):
     world.state = [R.ISOLATED if i in now_isolated else R.NORMAL for i in range(n)]
     converged = world.distance_tables()
     holds = jnp.asarray(world.net.holds)
-    nbr = np.full((n, n), -1, np.int32)
-    for i in range(n):
-        nbr[i, : len(world.neighbours[i])] = world.neighbours[i]
+    nbr = world.net.neighbour_table
     state = jnp.asarray([engine.ISOLATED if s == R.ISOLATED else engine.NORMAL for s in world.state])
     for _ in range(n):
         relaxed = world.relax()
@@ -220,9 +226,7 @@ def test_hop_per_task_routes_as_instant_on_converged_tables(scenario):
 def test_an_isolation_travels_one_hop_per_task():
     """Path A1 - A2 - A3 - A4 - A5 - A6, 'spatial' held by A4, A5, A6: isolating A4 and A5 moves A1's
     nearest holder from 3 to 5 hops, and A1 learns it one step at a time."""
-    adjacency = np.zeros((6, 6), dtype=bool)
-    for i in range(5):
-        adjacency[i, i + 1] = adjacency[i + 1, i] = True
+    adjacency = ring_6(closed=False)
     s = BBH.abilities.index("spatial")
     world = hop_world(adjacency, set())
     assert [row[s] for row in world.distance] == [3, 2, 1, 0, 0, 0]
@@ -239,9 +243,7 @@ def test_a_stale_table_sends_a_task_toward_the_isolated_agent():
     """Ring A1 .. A6, 'spatial' held by A4, A5, A6. Isolating A4 and A5 leaves A6, three hops from
     A3 either way round; one step after, A3 still reads A4 as one hop closer and sends the task to
     it alone; a step later, both ways, as the converged tables do."""
-    adjacency = np.zeros((6, 6), dtype=bool)
-    for i in range(6):
-        adjacency[i, (i + 1) % 6] = adjacency[(i + 1) % 6, i] = True
+    adjacency = ring_6()
     s = BBH.abilities.index("spatial")
     world = hop_world(adjacency, set())
     world.state[3] = world.state[4] = R.ISOLATED
@@ -261,9 +263,7 @@ def test_relax_for_tasks_takes_one_step_per_starting_task_per_stream():
     from meshheal_jax import engine
     from meshheal_jax.streams import make_stream, persistent_schedule
 
-    adjacency = np.zeros((6, 6), dtype=bool)
-    for i in range(5):
-        adjacency[i, i + 1] = adjacency[i + 1, i] = True
+    adjacency = ring_6(closed=False)
     network = topology.build_network(BBH, 6, adjacency)
     world = engine.make_world(
         network, make_stream(0, 0, 42, 7, (1,), ("all",)), persistent_schedule(6, 42, ())
