@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 
 from meshheal_jax import runner
-from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.report import detection_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +128,7 @@ def experiment(cfg: AblateConfig, variant: str) -> runner.Experiment:
 def delay(r: dict, agent: int) -> str:
     for a in r.get("agents", []):
         if a["agent"] == agent:
-            return fmt_range(a["detection_delay"])
+            return detection_text(a)
     return "—"
 
 

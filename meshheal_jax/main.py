@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 
 from meshheal_jax import report, runner
-from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, fmt_range, new_table, print_table
+from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.report import (
+    BEFORE_ONSET,
     NEVER_ISOLATED,
     NOT_ESTABLISHED,
     PARSE_FALLBACKS,
     UNDEFINED,
+    detection_text,
     isolates,
     parse_note,
     parse_problems,
@@ -64,13 +66,6 @@ def method_label(r: dict) -> str:
     return r["method"] + (f" ({', '.join(extra)})" if extra else "")
 
 
-def delay_text(r: dict, stat: dict) -> str:
-    """A delay's mean ± std (min–max) n=…, or the words for what never happened."""
-    if not stat or stat.get("n_defined", 0) == 0:
-        return NEVER_ISOLATED
-    return fmt_range(stat)
-
-
 def closure_text(r: dict, agent: dict) -> str:
     if not isolates(r):
         return NOT_ESTABLISHED
@@ -107,9 +102,9 @@ def print_summary(summary: dict) -> None:
         return
     agents = [(a["agent"], a.get("profile", str(a["agent"]))) for a in with_agents[0]["agents"]]
     columns = [f"{p} detection delay" for _, p in agents] + [f"{p} closure" for _, p in agents]
-    print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated; closure: seeds "
-          f"where it stays isolated to the end; missed (of {len(agents)}), false isolations (transitions of "
-          "healthy agents to isolated) and the distinct agents falsely isolated, per seed.")  # fmt: skip
+    print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated ({BEFORE_ONSET}); "
+          f"closure: seeds where it stays isolated to the end; missed (of {len(agents)}), false isolations "
+          "(transitions of healthy agents to isolated) and the distinct agents falsely isolated, per seed.")  # fmt: skip
     detect = new_table(
         "Detection per degraded agent",
         "dataset", "method", *columns, "missed", "false isolations", "falsely isolated agents",
@@ -122,7 +117,7 @@ def print_summary(summary: dict) -> None:
         by_agent = {a["agent"]: a for a in r["agents"]}
         detect.add_row(
             r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
-            *(delay_text(r, by_agent[k]["detection_delay"]) for k, _ in agents),
+            *(detection_text(by_agent[k]) for k, _ in agents),
             *(closure_text(r, by_agent[k]) for k, _ in agents),
             fmt(r["missed"], 2), fmt(r["false_isolations"], 2), fmt(r["false_isolated_agents"], 2),
         )  # fmt: skip

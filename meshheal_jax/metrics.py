@@ -101,7 +101,10 @@ def state_matrix(states: pl.DataFrame, n_agents: int, n_tasks: int) -> np.ndarra
 
 
 def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]:
-    """Detection delay, closure and reintegration per degraded agent (spec/protocol.md §7)."""
+    """Detection delay, closure and reintegration per degraded agent (spec/protocol.md §7), and
+    whether the agent was already isolated when it degraded (at the end of task b_i − 1: a false
+    isolation of the healthy agent, which §7 counts as detection at delay 0 unless it leaves
+    isolation on task b_i)."""
     n = schedule.n_tasks
     matrix = state_matrix(states, schedule.n_agents, n)
     out = []
@@ -121,6 +124,7 @@ def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]
             "agent": agent, "degraded_at": begin, "recovered_at": end if end <= n else None,
             "detection_delay": None if detected is None else detected - begin,
             "closure": closure, "reintegration_delay": reintegration,
+            "isolated_at_onset": bool(matrix[begin - 1, agent] == "isolated"),
         })  # fmt: skip
     return out
 
@@ -192,7 +196,8 @@ def end_states(states: pl.DataFrame) -> pl.DataFrame:
 def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
     """Detection for large networks without a (tasks x agents) matrix: per degraded agent the
     first task of its degraded interval at whose end it is isolated (same rule as
-    agent_outcomes), and whether it is isolated at the end of the interval."""
+    agent_outcomes), whether it is isolated at the end of the interval, and whether it was
+    already isolated when it degraded (agent_outcomes' isolated_at_onset), counted."""
     intervals = pl.DataFrame(list(schedule.intervals), schema={"agent": pl.Int64, "begin": pl.Int64, "end": pl.Int64},
                              orient="row")  # fmt: skip
     changes = end_states(states).with_columns(pl.col("agent").cast(pl.Int64), pl.col("t").cast(pl.Int64))
@@ -207,7 +212,9 @@ def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
     first_isolation = (changes.join(intervals, on="agent")
                        .filter((pl.col("to") == "isolated") & (pl.col("t") > pl.col("begin")) & (pl.col("t") < pl.col("end")))
                        .group_by("agent").agg(pl.col("t").min().alias("first")))  # fmt: skip
+    onset = state_at("begin", -1).rename({"begin_state": "onset_state"})
     table = (intervals.join(state_at("begin", 0), on="agent").join(state_at("end", -1), on="agent")
+             .join(onset, on="agent")
              .join(first_isolation, on="agent", how="left")
              .with_columns(pl.when(pl.col("begin_state") == "isolated").then(pl.col("begin"))
                            .otherwise(pl.col("first")).alias("detected")))  # fmt: skip
@@ -216,6 +223,7 @@ def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
         "degraded": intervals.height,
         "isolated_degraded": int((table["end_state"] == "isolated").sum()),
         "missed": int(table["detected"].is_null().sum()),
+        "isolated_at_onset": int((table["onset_state"] == "isolated").sum()),
         "detection_delay_mean": float(delays.mean()) if delays.len() else None,
         "detection_delay_median": float(delays.median()) if delays.len() else None,
     }
@@ -323,7 +331,13 @@ SCALAR_KEYS = (
     "calls_per_task_degraded", "tokens_per_task_healthy", "tokens_per_task_degraded",
     "unanswered", "unreviewed_outputs", "missed", "false_isolations", "false_isolated_agents",
 )  # fmt: skip
-SCALE_KEYS = ("degraded", "isolated_degraded", "detection_delay_mean", "detection_delay_median")
+SCALE_KEYS = (
+    "degraded",
+    "isolated_degraded",
+    "isolated_at_onset",
+    "detection_delay_mean",
+    "detection_delay_median",
+)
 PHASE_KEYS = ("acc", "tokens_per_task", "calls_per_task")  # + PARSE_KEYS where the calls were given
 
 
@@ -348,6 +362,7 @@ def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
          "degraded_at": a["degraded_at"], "recovered_at": a["recovered_at"],
          "detection_delay": stat([m["agents"][k]["detection_delay"] for m in per_seed]),
          "closure_seeds": sum(bool(m["agents"][k]["closure"]) for m in per_seed),
+         "isolated_at_onset_seeds": sum(bool(m["agents"][k].get("isolated_at_onset")) for m in per_seed),
          "reintegration_delay": stat([m["agents"][k]["reintegration_delay"] for m in per_seed])}
         for k, a in enumerate(first["agents"])
     ]  # fmt: skip

@@ -17,7 +17,14 @@ import polars as pl
 from meshheal_jax import report, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.main import method_label, ordered
-from meshheal_jax.report import NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED, agent_cells, isolates
+from meshheal_jax.report import (
+    BEFORE_ONSET,
+    NEVER_ISOLATED,
+    NOT_ESTABLISHED,
+    UNDEFINED,
+    agent_cells,
+    isolates,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +67,9 @@ def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:
                               *(fmt(r["phases"][k][key], digits, scale) for r in rs))  # fmt: skip
             print_table(table)
         print(
-            "Delays: mean ± std (min–max) n=seeds where defined; closure: seeds where the agent stays isolated to "
-            "the end of its degradation; reintegration: tasks from restoration to its final run in state normal."
+            f"Delays: mean ± std (min–max) n=seeds where defined ({BEFORE_ONSET}); closure: seeds where the agent "
+            "stays isolated to the end of its degradation; reintegration: tasks from restoration to its final run "
+            "in state normal."
         )
         agents = new_table(
             "Self-healing per degraded agent",

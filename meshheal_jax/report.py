@@ -325,12 +325,28 @@ def isolates(r: dict) -> bool:
     return r.get("detector") != runner.NO_DETECTOR
 
 
+BEFORE_ONSET = (
+    "k before onset: seeds where the agent was already isolated (falsely, while healthy) when it degraded, "
+    "read as detection at delay 0 unless it left isolation on its first degraded task"
+)
+
+
+def detection_text(a: dict) -> str:
+    """A degraded agent's detection delay over seeds (mean ± std (min–max) n=seeds where
+    isolated), or never isolated; with the seeds where it was already isolated when it degraded
+    (a false isolation, read by §7 as a detection at delay 0 unless it left isolation then)."""
+    if not a["detection_delay"] or a["detection_delay"].get("n_defined", 0) == 0:
+        return NEVER_ISOLATED
+    onset = a.get("isolated_at_onset_seeds", 0)
+    return fmt_range(a["detection_delay"]) + (f", {onset} before onset" if onset else "")
+
+
 def agent_cells(r: dict, a: dict) -> list[str]:
     """Detection delay, closure, reintegration delay of one degraded agent, in words where undefined."""
     seeds = len(r["seeds"])
     if not isolates(r):
         return [NEVER_ISOLATED, NOT_ESTABLISHED, UNDEFINED]
-    detection = NEVER_ISOLATED if a["detection_delay"]["n_defined"] == 0 else fmt_range(a["detection_delay"])
+    detection = detection_text(a)
     if a.get("recovered_at") is None:
         reintegration = "— (never restored)"
     elif a["reintegration_delay"]["n_defined"] == 0:

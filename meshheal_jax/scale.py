@@ -73,6 +73,14 @@ def experiment(cfg: ScaleConfig, topology: str) -> runner.Experiment:
     )  # fmt: skip
 
 
+def detection_cell(r: dict) -> str:
+    """Mean detection delay, and the degraded agents already isolated (falsely) when they degraded:
+    spec/protocol.md §7 reads those as detections at delay 0."""
+    onset = r.get("isolated_at_onset")
+    at_onset = f" ({fmt(onset, 1)} before onset)" if onset and onset.get("mean") else ""
+    return fmt(r.get("detection_delay_mean"), 1) + at_onset
+
+
 def print_summary(summary: dict) -> None:
     table = new_table(
         f"Network scaling ({summary['engine']} engine, {summary['backend']} backend, slots {summary['slots']})",
@@ -87,7 +95,7 @@ def print_summary(summary: dict) -> None:
             r["topology"], f"{r['n_agents']:,}", edges, f"{100 * r['edge_fraction']:.2f}%", str(r["max_ability_distance"]),
             fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), f"{fmt(r['isolated_degraded'], 1)} / {r['degraded']}",
             fmt(r["missed"], 1), f"{fmt(r['false_isolations'], 1)} ({fmt(r.get('false_isolated_agents'), 1)})",
-            fmt(r.get("detection_delay_mean"), 1),
+            detection_cell(r),
             f"{fmt(r['tokens_per_task_healthy'], 1, 1e-3)} / {fmt(r['tokens_per_task_degraded'], 1, 1e-3)}",
             f"{r['wall_s']:.1f}",
         )  # fmt: skip

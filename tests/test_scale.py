@@ -483,12 +483,17 @@ def assert_outcomes_agree(states: pl.DataFrame, schedule: HealthSchedule) -> dic
     assert scaled["isolated_degraded"] == sum(
         matrix[end - 1, agent] == "isolated" for agent, _, end in schedule.intervals
     )
+    onset = {a["agent"] for a in agents if a["isolated_at_onset"]}
+    assert onset == {
+        agent for agent, begin, _ in schedule.intervals if matrix[begin - 1, agent] == "isolated"
+    }
+    assert scaled["isolated_at_onset"] == len(onset)
     if delays:
         assert scaled["detection_delay_mean"] == pytest.approx(float(np.mean(delays)))
         assert scaled["detection_delay_median"] == pytest.approx(float(np.median(delays)))
     else:
         assert scaled["detection_delay_mean"] is None and scaled["detection_delay_median"] is None
-    return {"delays": {a["agent"]: a["detection_delay"] for a in agents}, **scaled}
+    return {"delays": {a["agent"]: a["detection_delay"] for a in agents}, "onset": onset, **scaled}
 
 
 def test_scale_outcomes_agree_on_real_runs(jax_run, ref_run, six_agent_runs):
@@ -581,6 +586,9 @@ HAND_BUILT = {
         (450, 2, "probation", "isolated"),
     ], {2: 47, 4: 0}, 2),
 }  # fmt: skip
+# the degraded agents already isolated at the end of the task before their degradation
+ISOLATED_AT_ONSET = {"isolated before its degradation and kept": {2},
+                     "released at the first degraded task, isolated again": {2}}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(HAND_BUILT))
@@ -591,6 +599,7 @@ def test_scale_outcomes_agree_on_hand_built_tables(case, shuffle_seed):
     assert outcome["delays"] == delays
     assert outcome["isolated_degraded"] == isolated_at_end
     assert outcome["missed"] == sum(d is None for d in delays.values())
+    assert outcome["onset"] == ISOLATED_AT_ONSET.get(case, set())
 
 
 # ----------------------------------------------------------------------------------------------
