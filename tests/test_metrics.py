@@ -54,7 +54,20 @@ def test_detection_closure_reintegration():
                 (70, 2, "watched", "normal"), probe_at=(65,))  # fmt: skip
     o = outcome(df, RECOVERING)
     assert o == {"agent": 2, "degraded_at": 20, "recovered_at": 60, "detection_delay": 5, "closure": True,
-                 "reintegration_delay": 10}  # fmt: skip
+                 "reintegration_delay": 10, "isolated_at_onset": False}  # fmt: skip
+
+
+def test_isolated_before_onset_reads_as_delay_zero_and_is_marked():
+    before = outcome(states((10, 2, "normal", "isolated")), RECOVERING)  # falsely isolated while healthy
+    at_onset = outcome(
+        states((20, 2, "normal", "isolated")), RECOVERING
+    )  # isolated on its first degraded task
+    assert before["detection_delay"] == at_onset["detection_delay"] == 0
+    assert before["isolated_at_onset"] is True and at_onset["isolated_at_onset"] is False
+    # a probe takes it out of isolation on its first degraded task: detected later, still marked
+    left = outcome(states((10, 2, "normal", "isolated"), (20, 2, "isolated", "watched"),
+                          (23, 2, "watched", "isolated"), probe_at=(20,)), RECOVERING)  # fmt: skip
+    assert left["detection_delay"] == 3 and left["isolated_at_onset"] is True
 
 
 def test_probe_moving_agent_to_watched_before_recovery_breaks_closure():
