@@ -14,6 +14,7 @@ from meshheal_jax.errors import MeshHealError
 VARIANTS = ("full", "single_reviewer", "no_takeover")
 NEXT_HOP_TIES = ("random", "lowest")
 CONVERGENCE = ("instant", "hop_per_task")
+WINDOW_RESET = ("never", "on_isolation")
 CHECKPOINT_EVERY_S = 60.0  # default seconds between checkpoints of unfinished streams (decisions X1)
 DETECTORS = ("relative", "absolute", "cusum")
 
@@ -43,6 +44,11 @@ class ProtocolParams:
     # spec names, news travels one hop per task ("hop_per_task": every task's start takes one
     # synchronous Bellman-Ford step over the neighbours' tables; docs/decisions.md P6)
     convergence: str = "instant"
+    # protocol.md §5: "Windows are never reset" ("never", the default). "on_isolation", an extension
+    # (docs/decisions.md P7): an agent entering isolation loses its evidence (every score and
+    # shortfall window and lifetime count n_x, and CUSUM statistic, of all its keys), so its probes,
+    # and its outputs after a release, are judged on what it did since it was isolated
+    window_reset: str = "never"
     # MeshHeal variant (spec/experiments.md §4, baselines.md "Ablations"):
     #   full | single_reviewer (the initial reviewer is the whole committee, in two contexts, and
     #   writes the Takeover alone: one synthesis call) | no_takeover (low scores leave the output)
@@ -69,6 +75,10 @@ class ProtocolParams:
             )
         if self.convergence not in CONVERGENCE:
             raise MeshHealError(f"unknown convergence {self.convergence!r}; known: {', '.join(CONVERGENCE)}")
+        if self.window_reset not in WINDOW_RESET:
+            raise MeshHealError(
+                f"unknown window_reset {self.window_reset!r}; known: {', '.join(WINDOW_RESET)}"
+            )
         if self.detector not in DETECTORS:
             raise MeshHealError(f"unknown detector {self.detector!r}; known: {', '.join(DETECTORS)}")
         if not self.absolute_scale > 0:

@@ -98,6 +98,7 @@ class EngineConfig:
     variant: str = "full"  # full | single_reviewer | no_takeover (config.VARIANTS): static, one program each
     detector: str = "relative"  # relative | absolute | cusum (config.DETECTORS): static, one program each
     convergence: str = "instant"  # instant | hop_per_task (config.CONVERGENCE): static, one program each
+    window_reset: str = "never"  # never | on_isolation (config.WINDOW_RESET): static, one program each
 
 
 @pytree
@@ -539,10 +540,32 @@ class Rows:
 
 
 def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
-            detector: str = "relative") -> tuple[Net, Observation]:  # fmt: skip
-    """Record author i's final score q with the (static) detector; see observe_relative."""
+            detector: str = "relative", reset: bool = False) -> tuple[Net, Observation]:  # fmt: skip
+    """Record author i's final score q with the (static) detector; see observe_relative. `reset`
+    (static; window_reset "on_isolation"): an author entering isolation loses its evidence."""
     rows, obs = observe_rows(p, world, net, i, task_type, s, q, t, evidence, detector)
-    return write_rows(net, i, task_type, s, rows), obs
+    net = write_rows(net, i, task_type, s, rows)
+    return (clear_evidence(net, i, entered_isolation(obs)) if reset else net), obs
+
+
+def entered_isolation(obs: Observation):
+    return (obs.after == ISOLATED) & (obs.before != ISOLATED)
+
+
+def clear_evidence(net: Net, agents, cleared) -> Net:
+    """window_reset "on_isolation" (decisions P7): every score and shortfall window, count and mean,
+    and CUSUM statistic, of each agent where `cleared` emptied, as at the start (`agents` and
+    `cleared` scalars or of one shape; cleared agents distinct)."""
+    target = jnp.where(cleared, agents, net.state.shape[0])  # out of range: dropped
+
+    def empty(x):
+        return x.at[target].set(0, mode="drop")
+
+    return dataclasses.replace(
+        net, scores=empty(net.scores), score_count=empty(net.score_count), shortfalls=empty(net.shortfalls),
+        shortfall_count=empty(net.shortfall_count), score_mean=empty(net.score_mean),
+        shortfall_mean=empty(net.shortfall_mean), cusum=empty(net.cusum) if net.cusum.ndim == 3 else net.cusum,
+    )  # fmt: skip
 
 
 def observe_rows(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
@@ -731,7 +754,7 @@ def later_wave_width(n_slots: int) -> int:
 
 
 def _wave(p: Params, world: World, net: Net, evidence, order, observations: Observation, pending, detector: str,
-          width: int) -> tuple[Net, Observation, jax.Array]:  # fmt: skip
+          width: int, reset: bool = False) -> tuple[Net, Observation, jax.Array]:  # fmt: skip
     """One wave: the pending observations that conflict with no earlier pending one in task order
     (`first_wave`), at most `width` of them in slot order, read from `net` together and written in
     one scatter. Returns the network, the observations with theirs filled in, and what is left."""
@@ -753,6 +776,8 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
         lambda r, c: jnp.where(used.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
     index = tuple(jnp.where(used, x, c) for x, c in zip((ev.author, ev.task_type, ev.ability), cell))
     net = write_rows(net, *index, rows)
+    if reset:  # a wave's authors are distinct (an author's observations conflict)
+        net = clear_evidence(net, ev.author, used & entered_isolation(obs))
     target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
     observations = jax.tree_util.tree_map(
         lambda o, new: o.at[target].set(new, mode="drop"), observations, obs
@@ -762,7 +787,7 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
 
 def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
                   detector: str = "relative", width: int | None = None,
-                  later_width: int | None = None) -> tuple[Net, Observation]:  # fmt: skip
+                  later_width: int | None = None, reset: bool = False) -> tuple[Net, Observation]:  # fmt: skip
     """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
     of taking them one by one in `order` (task order), in waves (`_wave`): each wave takes the
     observations with evidence not yet taken that conflict with no earlier such one in task order
@@ -774,14 +799,15 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     of its wave, and everything it conflicts with that precedes it was taken in an earlier wave.
     Each wave takes at least one (the first eligible in slot order; the earliest waiting one in
     task order is always eligible). Observations without evidence write nothing and are left as
-    given."""
+    given. `reset` (static): window_reset "on_isolation", an author entering isolation loses its
+    evidence (`clear_evidence`)."""
     n_slots = order.shape[0]
     width = first_wave_width(n_slots) if width is None else min(width, n_slots)
     later_width = later_wave_width(n_slots) if later_width is None else max(1, min(later_width, n_slots))
-    state = _wave(p, world, net, evidence, order, observations, evidence.valid, detector, width)
+    state = _wave(p, world, net, evidence, order, observations, evidence.valid, detector, width, reset)
     net, observations, _ = jax.lax.while_loop(
         lambda s: across_streams(s[2].any()),
-        lambda s: _wave(p, world, s[0], evidence, order, s[1], s[2], detector, later_width),
+        lambda s: _wave(p, world, s[0], evidence, order, s[1], s[2], detector, later_width, reset),
         state,
     )
     return net, observations
@@ -1317,7 +1343,19 @@ def absorb_route(
 def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
     """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
     new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
-    net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector)
+    net, obs = observe(
+        p,
+        world,
+        net,
+        ev.author,
+        ev.task_type,
+        ev.ability,
+        ev.q,
+        ev.t,
+        ev.valid,
+        cfg.detector,
+        cfg.window_reset == "on_isolation",
+    )
     if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
         net = refresh_distances(world, net, isolation_changed(obs))
     probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)
@@ -1459,7 +1497,9 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
         cfg, p, world, net, slots, responses, draws)  # fmt: skip
     # the detector takes the round's evidence in task order (computed in waves of independent observations)
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
-    net, observations = observe_round(p, world, net, evidence, order, reviews.obs, cfg.detector)
+    net, observations = observe_round(
+        p, world, net, evidence, order, reviews.obs, cfg.detector, reset=cfg.window_reset == "on_isolation"
+    )
     if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
         net = refresh_distances(world, net, jnp.any(isolation_changed(observations)))
     reviews = dataclasses.replace(reviews, obs=observations)
@@ -1602,6 +1642,7 @@ def engine_config(specs: list[StreamSpec], protocol: ProtocolParams, slots: int)
         n_tasks=n_tasks, slots=slots, window_scores=protocol.window_scores,
         window_shortfalls=protocol.window_shortfalls, route_loop=protocol.move_limit + 4,
         variant=protocol.variant, detector=protocol.detector, convergence=protocol.convergence,
+        window_reset=protocol.window_reset,
     )  # fmt: skip
 
 

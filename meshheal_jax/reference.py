@@ -406,6 +406,8 @@ class ReferenceNetwork:
         """Apply a detector decision: probe timer on isolation, distance tables on a change."""
         if new == ISOLATED and self.state[i] != ISOLATED:
             self.probe_timer[i] = t
+            if self.p.window_reset == "on_isolation":
+                self.clear_evidence(i)
         out.update(z=z, to=new, reason=reason)
         if new != self.state[i]:
             self.state[i] = new
@@ -413,6 +415,16 @@ class ReferenceNetwork:
                 self.distance = self.distance_tables()
             self.settled = False
         return out
+
+    def clear_evidence(self, i: int) -> None:
+        """window_reset "on_isolation" (decisions P7): every window, count and CUSUM statistic of
+        agent i emptied, as at the start."""
+        for key in self.scores:
+            if key[0] == i:
+                self.scores[key] = Window(self.p.window_scores)
+                self.shortfalls[key] = Window(self.p.window_shortfalls)
+                self.n_shortfalls[key] = 0
+                self.cusum[key] = 0.0
 
     def observe_absolute(self, i: int, task_type: int, s: int, q: float, t: int, warmup: int) -> dict:
         """Absolute detector: z_abs = (threshold - own mean score of (T, s)) / scale, into §5 step 9."""

@@ -42,16 +42,18 @@ def mid_run(detector: str):
     return params, engine.at(worlds, 0), net
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8))
-def both(detector, p, world, net, evidence, order, observations, width, later_width=None):
-    fast = engine.observe_round(p, world, net, evidence, order, observations, detector, width, later_width)
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+def both(detector, p, world, net, evidence, order, observations, width, later_width=None, reset=False):
+    fast = engine.observe_round(
+        p, world, net, evidence, order, observations, detector, width, later_width, reset
+    )
 
     def one(n, state):
         net_, obs_ = state
         k = order[n]
         ev = engine.at(evidence, k)
         net_, o = engine.observe(
-            p, world, net_, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, detector
+            p, world, net_, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, detector, reset
         )
         return net_, engine.put(obs_, k, o)
 
@@ -59,12 +61,14 @@ def both(detector, p, world, net, evidence, order, observations, width, later_wi
     return fast, slow
 
 
-# width 3: first-wave writers beyond the third wait; later width 1: the later waves one by one
-@pytest.mark.parametrize("width, later_width", [(SLOTS, None), (3, None), (3, 1)])
+# width 3: first-wave writers beyond the third wait; later width 1: the later waves one by one;
+# reset: window_reset "on_isolation" (an author entering isolation loses its evidence, decisions P7)
+@pytest.mark.parametrize("width, later_width, reset", [(SLOTS, None, False), (3, None, False), (3, 1, False),
+                                                       (SLOTS, None, True)])  # fmt: skip
 @pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_observe_round_equals_one_by_one(detector, width, later_width, data):
+def test_observe_round_equals_one_by_one(detector, width, later_width, reset, data):
     p, world, net = mid_run(detector)
     n_agents = int(net.state.shape[0])
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -90,7 +94,7 @@ def test_observe_round_equals_one_by_one(detector, width, later_width, data):
     observations = engine.Observation(z=jnp.zeros(SLOTS), z_defined=jnp.zeros(SLOTS, bool), before=zi, after=zi,
                                       reason=zi)  # fmt: skip
     (net_fast, obs_fast), (net_slow, obs_slow) = both(
-        detector, p, world, net, evidence, order, observations, width, later_width
+        detector, p, world, net, evidence, order, observations, width, later_width, reset
     )
     kept = np.asarray(evidence.valid)
     net_leaves = [
