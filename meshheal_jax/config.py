@@ -14,7 +14,7 @@ from meshheal_jax.errors import MeshHealError
 VARIANTS = ("full", "single_reviewer", "no_takeover")
 NEXT_HOP_TIES = ("random", "lowest")
 CONVERGENCE = ("instant", "hop_per_task")
-WINDOW_RESET = ("never", "on_isolation")
+WINDOW_RESET = ("never", "on_isolation", "on_release")
 CHECKPOINT_EVERY_S = 60.0  # default seconds between checkpoints of unfinished streams (decisions X1)
 DETECTORS = ("relative", "absolute", "cusum")
 
@@ -44,10 +44,11 @@ class ProtocolParams:
     # spec names, news travels one hop per task ("hop_per_task": every task's start takes one
     # synchronous Bellman-Ford step over the neighbours' tables; docs/decisions.md P6)
     convergence: str = "instant"
-    # protocol.md §5: "Windows are never reset" ("never", the default). "on_isolation", an extension
-    # (docs/decisions.md P7): an agent entering isolation loses its evidence (every score and
-    # shortfall window and lifetime count n_x, and CUSUM statistic, of all its keys), so its probes,
-    # and its outputs after a release, are judged on what it did since it was isolated
+    # protocol.md §5: "Windows are never reset" ("never", the default). Extensions (docs/decisions.md
+    # P7): an agent loses its evidence (every score and shortfall window and lifetime count n_x, and
+    # CUSUM statistic, of all its keys) when it enters isolation ("on_isolation": its probes are
+    # judged on what it did since) or when a probe releases it ("on_release": its outputs after the
+    # release are judged on what it does from then on)
     window_reset: str = "never"
     # MeshHeal variant (spec/experiments.md §4, baselines.md "Ablations"):
     #   full | single_reviewer (the initial reviewer is the whole committee, in two contexts, and

@@ -98,7 +98,9 @@ class EngineConfig:
     variant: str = "full"  # full | single_reviewer | no_takeover (config.VARIANTS): static, one program each
     detector: str = "relative"  # relative | absolute | cusum (config.DETECTORS): static, one program each
     convergence: str = "instant"  # instant | hop_per_task (config.CONVERGENCE): static, one program each
-    window_reset: str = "never"  # never | on_isolation (config.WINDOW_RESET): static, one program each
+    window_reset: str = (
+        "never"  # never | on_isolation | on_release (config.WINDOW_RESET): static, one program each
+    )
 
 
 @pytree
@@ -540,20 +542,23 @@ class Rows:
 
 
 def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
-            detector: str = "relative", reset: bool = False) -> tuple[Net, Observation]:  # fmt: skip
+            detector: str = "relative", reset: str = "never") -> tuple[Net, Observation]:  # fmt: skip
     """Record author i's final score q with the (static) detector; see observe_relative. `reset`
-    (static; window_reset "on_isolation"): an author entering isolation loses its evidence."""
+    (static; config.WINDOW_RESET): when an author loses its evidence (`clear_evidence`)."""
     rows, obs = observe_rows(p, world, net, i, task_type, s, q, t, evidence, detector)
     net = write_rows(net, i, task_type, s, rows)
-    return (clear_evidence(net, i, entered_isolation(obs)) if reset else net), obs
+    return (net if reset == "never" else clear_evidence(net, i, clears(reset, obs))), obs
 
 
-def entered_isolation(obs: Observation):
-    return (obs.after == ISOLATED) & (obs.before != ISOLATED)
+def clears(reset: str, obs: Observation):
+    """Whether an observation's transition empties its author's evidence (decisions P7): entering
+    isolation ("on_isolation") or leaving it ("on_release")."""
+    was, isolated = obs.before == ISOLATED, obs.after == ISOLATED
+    return (isolated & ~was) if reset == "on_isolation" else (was & ~isolated)
 
 
 def clear_evidence(net: Net, agents, cleared) -> Net:
-    """window_reset "on_isolation" (decisions P7): every score and shortfall window, count and mean,
+    """window_reset (decisions P7): every score and shortfall window, count and mean,
     and CUSUM statistic, of each agent where `cleared` emptied, as at the start (`agents` and
     `cleared` scalars or of one shape; cleared agents distinct)."""
     target = jnp.where(cleared, agents, net.state.shape[0])  # out of range: dropped
@@ -754,7 +759,7 @@ def later_wave_width(n_slots: int) -> int:
 
 
 def _wave(p: Params, world: World, net: Net, evidence, order, observations: Observation, pending, detector: str,
-          width: int, reset: bool = False) -> tuple[Net, Observation, jax.Array]:  # fmt: skip
+          width: int, reset: str = "never") -> tuple[Net, Observation, jax.Array]:  # fmt: skip
     """One wave: the pending observations that conflict with no earlier pending one in task order
     (`first_wave`), at most `width` of them in slot order, read from `net` together and written in
     one scatter. Returns the network, the observations with theirs filled in, and what is left."""
@@ -776,8 +781,8 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
         lambda r, c: jnp.where(used.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
     index = tuple(jnp.where(used, x, c) for x, c in zip((ev.author, ev.task_type, ev.ability), cell))
     net = write_rows(net, *index, rows)
-    if reset:  # a wave's authors are distinct (an author's observations conflict)
-        net = clear_evidence(net, ev.author, used & entered_isolation(obs))
+    if reset != "never":  # a wave's authors are distinct (an author's observations conflict)
+        net = clear_evidence(net, ev.author, used & clears(reset, obs))
     target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
     observations = jax.tree_util.tree_map(
         lambda o, new: o.at[target].set(new, mode="drop"), observations, obs
@@ -787,7 +792,7 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
 
 def observe_round(p: Params, world: World, net: Net, evidence, order, observations: Observation,
                   detector: str = "relative", width: int | None = None,
-                  later_width: int | None = None, reset: bool = False) -> tuple[Net, Observation]:  # fmt: skip
+                  later_width: int | None = None, reset: str = "never") -> tuple[Net, Observation]:  # fmt: skip
     """Every slot's observation of one round (`evidence` with a leading slot axis), with the result
     of taking them one by one in `order` (task order), in waves (`_wave`): each wave takes the
     observations with evidence not yet taken that conflict with no earlier such one in task order
@@ -799,8 +804,7 @@ def observe_round(p: Params, world: World, net: Net, evidence, order, observatio
     of its wave, and everything it conflicts with that precedes it was taken in an earlier wave.
     Each wave takes at least one (the first eligible in slot order; the earliest waiting one in
     task order is always eligible). Observations without evidence write nothing and are left as
-    given. `reset` (static): window_reset "on_isolation", an author entering isolation loses its
-    evidence (`clear_evidence`)."""
+    given. `reset` (static, config.WINDOW_RESET): when an author loses its evidence (`clear_evidence`)."""
     n_slots = order.shape[0]
     width = first_wave_width(n_slots) if width is None else min(width, n_slots)
     later_width = later_wave_width(n_slots) if later_width is None else max(1, min(later_width, n_slots))
@@ -1354,7 +1358,7 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
         ev.t,
         ev.valid,
         cfg.detector,
-        cfg.window_reset == "on_isolation",
+        cfg.window_reset,
     )
     if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
         net = refresh_distances(world, net, isolation_changed(obs))
@@ -1498,7 +1502,7 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
     # the detector takes the round's evidence in task order (computed in waves of independent observations)
     order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
     net, observations = observe_round(
-        p, world, net, evidence, order, reviews.obs, cfg.detector, reset=cfg.window_reset == "on_isolation"
+        p, world, net, evidence, order, reviews.obs, cfg.detector, reset=cfg.window_reset
     )
     if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
         net = refresh_distances(world, net, jnp.any(isolation_changed(observations)))

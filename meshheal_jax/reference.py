@@ -404,10 +404,14 @@ class ReferenceNetwork:
 
     def _enter(self, i: int, new: str, t: int, z: float, reason: str, out: dict) -> dict:
         """Apply a detector decision: probe timer on isolation, distance tables on a change."""
-        if new == ISOLATED and self.state[i] != ISOLATED:
+        was, isolated = self.state[i] == ISOLATED, new == ISOLATED
+        if isolated and not was:
             self.probe_timer[i] = t
-            if self.p.window_reset == "on_isolation":
-                self.clear_evidence(i)
+        reset = self.p.window_reset
+        if (reset == "on_isolation" and isolated and not was) or (
+            reset == "on_release" and was and not isolated
+        ):
+            self.clear_evidence(i)
         out.update(z=z, to=new, reason=reason)
         if new != self.state[i]:
             self.state[i] = new
@@ -417,8 +421,8 @@ class ReferenceNetwork:
         return out
 
     def clear_evidence(self, i: int) -> None:
-        """window_reset "on_isolation" (decisions P7): every window, count and CUSUM statistic of
-        agent i emptied, as at the start."""
+        """window_reset (decisions P7): every window, count and CUSUM statistic of agent i emptied,
+        as at the start."""
         for key in self.scores:
             if key[0] == i:
                 self.scores[key] = Window(self.p.window_scores)

@@ -43,7 +43,7 @@ def mid_run(detector: str):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
-def both(detector, p, world, net, evidence, order, observations, width, later_width=None, reset=False):
+def both(detector, p, world, net, evidence, order, observations, width, later_width=None, reset="never"):
     fast = engine.observe_round(
         p, world, net, evidence, order, observations, detector, width, later_width, reset
     )
@@ -62,9 +62,9 @@ def both(detector, p, world, net, evidence, order, observations, width, later_wi
 
 
 # width 3: first-wave writers beyond the third wait; later width 1: the later waves one by one;
-# reset: window_reset "on_isolation" (an author entering isolation loses its evidence, decisions P7)
-@pytest.mark.parametrize("width, later_width, reset", [(SLOTS, None, False), (3, None, False), (3, 1, False),
-                                                       (SLOTS, None, True)])  # fmt: skip
+# reset: window_reset (an author entering or leaving isolation loses its evidence, decisions P7)
+@pytest.mark.parametrize("width, later_width, reset", [(SLOTS, None, "never"), (3, None, "never"), (3, 1, "never"),
+                                                       (SLOTS, None, "on_isolation"), (3, 1, "on_release")])  # fmt: skip
 @pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
