@@ -1,0 +1,95 @@
+"""How long isolations last: read a run folder's MeshHeal states (a `main`, `recovery` or `ablate`
+run of a small network) and, per dataset and pair, pooled over seeds:
+
+- releases: transitions out of isolated (a probe's z < beta);
+- healthy agents isolated on an average task, and the share of degraded agent-tasks isolated;
+- isolation episodes that start while the agent is healthy (false isolations, and re-isolations
+  of a restored agent): how many, and their mean and median length in tasks (an episode still
+  running at the end of the stream counts to the end);
+- unanswered tasks per seed.
+
+Written to compare the detector's window settings (`--protocol.window-reset`, decisions P7):
+
+    python scripts/isolation_episodes.py runs/recovery-...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from meshheal_jax import metrics
+from meshheal_jax.report import experiment_from_config
+from meshheal_jax.streams import HealthSchedule
+
+MAX_CELLS = 5_000_000  # tasks x agents per stream: the state matrix holds one string per cell
+
+
+def episodes(isolated: np.ndarray) -> list[tuple[int, int, int]]:
+    """(agent, first task, length) of every run of isolated tasks; `isolated` is (tasks, agents)
+    with row k = the end of task k + 1."""
+    out = []
+    for agent in range(isolated.shape[1]):
+        edges = np.diff(np.concatenate([[0], isolated[:, agent].astype(np.int8), [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        out += [(agent, int(s) + 1, int(e - s)) for s, e in zip(starts, ends)]
+    return out
+
+
+def isolation_episodes(states: pl.DataFrame, tasks: pl.DataFrame, schedule: HealthSchedule) -> dict:
+    """The figures above for one (dataset, pair): `states` and `tasks` of its seeds."""
+    n, n_agents = schedule.n_tasks, schedule.n_agents
+    degraded = np.zeros((n + 1, n_agents), bool)  # row t: during task t
+    for agent, begin, end in schedule.intervals:
+        degraded[begin:end, agent] = True
+    seeds = sorted(tasks["seed"].unique().to_list())
+    lengths, healthy_isolated, degraded_isolated, releases = [], [], [], 0
+    for seed in seeds:
+        mine = states.filter(pl.col("seed") == seed)
+        isolated = metrics.state_matrix(mine, n_agents, n)[1:] == "isolated"
+        releases += mine.filter(pl.col("from") == "isolated").height
+        healthy_isolated.append((isolated & ~degraded[1:]).sum(axis=1).mean())
+        if degraded.any():
+            degraded_isolated.append((isolated & degraded[1:]).sum() / degraded[1:].sum())
+        lengths += [length for agent, first, length in episodes(isolated) if not degraded[first, agent]]
+    lengths = np.array(lengths, dtype=float)
+    return {
+        "seeds": len(seeds),
+        "releases": releases,
+        "healthy agents isolated per task": round(float(np.mean(healthy_isolated)), 2),
+        "degraded agent-tasks isolated": round(float(np.mean(degraded_isolated)), 2)
+        if degraded_isolated
+        else None,
+        "isolations of healthy agents": len(lengths),
+        "mean length": round(float(lengths.mean()), 1) if len(lengths) else None,
+        "median length": float(np.median(lengths)) if len(lengths) else None,
+        "unanswered per seed": round(float((~tasks["answered"]).sum() / len(seeds)), 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="a main, recovery or ablate run folder")
+    args = ap.parse_args()
+    config = json.loads((args.run_dir / "config.json").read_text())["experiment"]
+    exp = experiment_from_config(config)
+    if exp.n_agents * exp.n_tasks > MAX_CELLS:
+        raise SystemExit(f"{args.run_dir}: {exp.n_agents} agents x {exp.n_tasks} tasks is too large for a state "
+                         f"matrix per stream (at most {MAX_CELLS:,} cells)")  # fmt: skip
+    states, tasks = (pl.read_parquet(args.run_dir / f"{name}.parquet") for name in ("states", "tasks"))
+    if "method" in tasks.columns:
+        states, tasks = (df.filter(pl.col("method") == "meshheal") for df in (states, tasks))
+    rows = []
+    for (dataset, pair), mine in tasks.group_by("dataset", "pair", maintain_order=True):
+        theirs = states.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair))
+        rows.append({"dataset": dataset, "pair": pair, **isolation_episodes(theirs, mine, exp.schedule())})
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=220, fmt_str_lengths=40):
+        print(pl.DataFrame(rows))
+
+
+if __name__ == "__main__":
+    main()
