@@ -2,7 +2,9 @@
 run of a small network) and, per dataset and pair, pooled over seeds:
 
 - releases: transitions out of isolated (a probe's z < beta);
-- healthy agents isolated on an average task, and the share of degraded agent-tasks isolated;
+- agents normal on an average task; healthy agents isolated on an average task, and the share of
+  degraded agent-tasks isolated;
+- probe reviews, and the share that formed no z (no transition was possible);
 - isolation episodes that start while the agent is healthy (false isolations, and re-isolations
   of a restored agent): how many, and their mean and median length in tasks (an episode still
   running at the end of the stream counts to the end);
@@ -40,26 +42,32 @@ def episodes(isolated: np.ndarray) -> list[tuple[int, int, int]]:
     return out
 
 
-def isolation_episodes(states: pl.DataFrame, tasks: pl.DataFrame, schedule: HealthSchedule) -> dict:
-    """The figures above for one (dataset, pair): `states` and `tasks` of its seeds."""
+def isolation_episodes(
+    states: pl.DataFrame, tasks: pl.DataFrame, reviews: pl.DataFrame, schedule: HealthSchedule
+) -> dict:
+    """The figures above for one (dataset, pair): `states`, `tasks` and `reviews` of its seeds."""
     n, n_agents = schedule.n_tasks, schedule.n_agents
     degraded = np.zeros((n + 1, n_agents), bool)  # row t: during task t
     for agent, begin, end in schedule.intervals:
         degraded[begin:end, agent] = True
     seeds = sorted(tasks["seed"].unique().to_list())
-    lengths, healthy_isolated, degraded_isolated, releases = [], [], [], 0
+    lengths, normal, healthy_isolated, degraded_isolated, releases = [], [], [], [], 0
     for seed in seeds:
         mine = states.filter(pl.col("seed") == seed)
-        isolated = metrics.state_matrix(mine, n_agents, n)[1:] == "isolated"
+        matrix = metrics.state_matrix(mine, n_agents, n)[1:]
+        isolated = matrix == "isolated"
+        normal.append((matrix == "normal").sum(axis=1).mean())
         releases += mine.filter(pl.col("from") == "isolated").height
         healthy_isolated.append((isolated & ~degraded[1:]).sum(axis=1).mean())
         if degraded.any():
             degraded_isolated.append((isolated & degraded[1:]).sum() / degraded[1:].sum())
         lengths += [length for agent, first, length in episodes(isolated) if not degraded[first, agent]]
     lengths = np.array(lengths, dtype=float)
+    probes = reviews.filter(pl.col("probe"))
     return {
         "seeds": len(seeds),
         "releases": releases,
+        "normal agents per task": round(float(np.mean(normal)), 2),
         "healthy agents isolated per task": round(float(np.mean(healthy_isolated)), 2),
         "degraded agent-tasks isolated": round(float(np.mean(degraded_isolated)), 2)
         if degraded_isolated
@@ -68,6 +76,8 @@ def isolation_episodes(states: pl.DataFrame, tasks: pl.DataFrame, schedule: Heal
         "mean length": round(float(lengths.mean()), 1) if len(lengths) else None,
         "median length": float(np.median(lengths)) if len(lengths) else None,
         "unanswered per seed": round(float((~tasks["answered"]).sum() / len(seeds)), 1),
+        "probe reviews": probes.height,
+        "of which no z": round(float(probes["z"].is_null().mean()), 2) if probes.height else None,
     }
 
 
@@ -80,13 +90,16 @@ def main() -> None:
     if exp.n_agents * exp.n_tasks > MAX_CELLS:
         raise SystemExit(f"{args.run_dir}: {exp.n_agents} agents x {exp.n_tasks} tasks is too large for a state "
                          f"matrix per stream (at most {MAX_CELLS:,} cells)")  # fmt: skip
-    states, tasks = (pl.read_parquet(args.run_dir / f"{name}.parquet") for name in ("states", "tasks"))
-    if "method" in tasks.columns:
-        states, tasks = (df.filter(pl.col("method") == "meshheal") for df in (states, tasks))
+    frames = [pl.read_parquet(args.run_dir / f"{name}.parquet") for name in ("states", "tasks", "reviews")]
+    if "method" in frames[1].columns:
+        frames = [df.filter(pl.col("method") == "meshheal") for df in frames]
     rows = []
-    for (dataset, pair), mine in tasks.group_by("dataset", "pair", maintain_order=True):
-        theirs = states.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair))
-        rows.append({"dataset": dataset, "pair": pair, **isolation_episodes(theirs, mine, exp.schedule())})
+    for (dataset, pair), _ in frames[1].group_by("dataset", "pair", maintain_order=True):
+        states, tasks, reviews = (df.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair))
+                                  for df in frames)  # fmt: skip
+        rows.append(
+            {"dataset": dataset, "pair": pair, **isolation_episodes(states, tasks, reviews, exp.schedule())}
+        )
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=220, fmt_str_lengths=40):
         print(pl.DataFrame(rows))
 

@@ -31,8 +31,12 @@ def test_counts_releases_shares_and_the_isolations_of_healthy_agents():
     tasks = pl.DataFrame(
         {"seed": [0] * 20, "t": range(1, 21), "answered": [t not in (5, 6) for t in range(1, 21)]}
     )
-    out = ie.isolation_episodes(states, tasks, schedule)
+    reviews = pl.DataFrame({"seed": [0] * 4, "t": [5, 7, 8, 9], "probe": [True, True, True, False],
+                            "z": [None, None, 1.5, None]})  # fmt: skip
+    out = ie.isolation_episodes(states, tasks, reviews, schedule)
+    # normal: 6 on tasks 1-2, 5 on 3-11 (agent 0 isolated, then watched), 4 on 12-17, 3 on 18-20: 90 / 20
     assert out == {
-        "seeds": 1, "releases": 1, "healthy agents isolated per task": 0.4, "degraded agent-tasks isolated": 0.82,
-        "isolations of healthy agents": 2, "mean length": 4.0, "median length": 4.0, "unanswered per seed": 2.0,
+        "seeds": 1, "releases": 1, "normal agents per task": 4.5, "healthy agents isolated per task": 0.4,
+        "degraded agent-tasks isolated": 0.82, "isolations of healthy agents": 2, "mean length": 4.0,
+        "median length": 4.0, "unanswered per seed": 2.0, "probe reviews": 3, "of which no z": 0.67,
     }  # fmt: skip
