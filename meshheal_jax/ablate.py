@@ -19,7 +19,7 @@ from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.report import detection_text
+from meshheal_jax.report import BEFORE_ONSET, detection_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,8 @@ def print_summary(summary: dict) -> None:
             f"{r['falsely_isolated_healthy_total']} of {r['n_healthy'] * n_seeds}", fmt(r["false_isolations"], 2),
         )  # fmt: skip
     print_table(detect)
+    if any(a.get("onset_detections") for r in results for a in r.get("agents", [])):
+        print(f"k before onset: k of the n detections were {BEFORE_ONSET}.")
 
 
 def body(cfg: AblateConfig) -> None:

@@ -554,7 +554,11 @@ def clears(reset: str, obs: Observation):
     """Whether an observation's transition empties its author's evidence (decisions P7): entering
     isolation ("on_isolation") or leaving it ("on_release")."""
     was, isolated = obs.before == ISOLATED, obs.after == ISOLATED
-    return (isolated & ~was) if reset == "on_isolation" else (was & ~isolated)
+    if reset == "on_isolation":
+        return isolated & ~was
+    if reset == "on_release":
+        return was & ~isolated
+    raise ValueError(f"unknown window_reset {reset!r}")
 
 
 def clear_evidence(net: Net, agents, cleared) -> Net:

@@ -102,7 +102,8 @@ def print_summary(summary: dict) -> None:
         return
     agents = [(a["agent"], a.get("profile", str(a["agent"]))) for a in with_agents[0]["agents"]]
     columns = [f"{p} detection delay" for _, p in agents] + [f"{p} closure" for _, p in agents]
-    print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated ({BEFORE_ONSET}); "
+    print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated (k before "
+          f"onset: k of the n detections were {BEFORE_ONSET}); "
           f"closure: seeds where it stays isolated to the end; missed (of {len(agents)}), false isolations "
           "(transitions of healthy agents to isolated) and the distinct agents falsely isolated, per seed.")  # fmt: skip
     detect = new_table(

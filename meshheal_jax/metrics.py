@@ -100,6 +100,11 @@ def state_matrix(states: pl.DataFrame, n_agents: int, n_tasks: int) -> np.ndarra
     return out
 
 
+def onset_detection(outcome: dict) -> bool:
+    """A detection of an agent already isolated when it degraded (decisions P5b)."""
+    return bool(outcome.get("isolated_at_onset")) and outcome["detection_delay"] is not None
+
+
 def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]:
     """Detection delay, closure and reintegration per degraded agent (spec/protocol.md §7), and
     whether the agent was already isolated when it degraded (at the end of task b_i − 1: a false
@@ -196,8 +201,8 @@ def end_states(states: pl.DataFrame) -> pl.DataFrame:
 def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
     """Detection for large networks without a (tasks x agents) matrix: per degraded agent the
     first task of its degraded interval at whose end it is isolated (same rule as
-    agent_outcomes), whether it is isolated at the end of the interval, and whether it was
-    already isolated when it degraded (agent_outcomes' isolated_at_onset), counted."""
+    agent_outcomes), whether it is isolated at the end of the interval, and the detections of an
+    agent already isolated when it degraded (agent_outcomes' isolated_at_onset), counted."""
     intervals = pl.DataFrame(list(schedule.intervals), schema={"agent": pl.Int64, "begin": pl.Int64, "end": pl.Int64},
                              orient="row")  # fmt: skip
     changes = end_states(states).with_columns(pl.col("agent").cast(pl.Int64), pl.col("t").cast(pl.Int64))
@@ -223,7 +228,9 @@ def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
         "degraded": intervals.height,
         "isolated_degraded": int((table["end_state"] == "isolated").sum()),
         "missed": int(table["detected"].is_null().sum()),
-        "isolated_at_onset": int((table["onset_state"] == "isolated").sum()),
+        "onset_detections": int(
+            ((table["onset_state"] == "isolated") & table["detected"].is_not_null()).sum()
+        ),
         "detection_delay_mean": float(delays.mean()) if delays.len() else None,
         "detection_delay_median": float(delays.median()) if delays.len() else None,
     }
@@ -334,7 +341,7 @@ SCALAR_KEYS = (
 SCALE_KEYS = (
     "degraded",
     "isolated_degraded",
-    "isolated_at_onset",
+    "onset_detections",
     "detection_delay_mean",
     "detection_delay_median",
 )
@@ -362,7 +369,7 @@ def aggregate(per_seed: list[dict], seeds: Sequence[int]) -> dict:
          "degraded_at": a["degraded_at"], "recovered_at": a["recovered_at"],
          "detection_delay": stat([m["agents"][k]["detection_delay"] for m in per_seed]),
          "closure_seeds": sum(bool(m["agents"][k]["closure"]) for m in per_seed),
-         "isolated_at_onset_seeds": sum(bool(m["agents"][k].get("isolated_at_onset")) for m in per_seed),
+         "onset_detections": sum(onset_detection(m["agents"][k]) for m in per_seed),
          "reintegration_delay": stat([m["agents"][k]["reintegration_delay"] for m in per_seed])}
         for k, a in enumerate(first["agents"])
     ]  # fmt: skip

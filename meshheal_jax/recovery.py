@@ -67,9 +67,9 @@ def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:
                               *(fmt(r["phases"][k][key], digits, scale) for r in rs))  # fmt: skip
             print_table(table)
         print(
-            f"Delays: mean ± std (min–max) n=seeds where defined ({BEFORE_ONSET}); closure: seeds where the agent "
-            "stays isolated to the end of its degradation; reintegration: tasks from restoration to its final run "
-            "in state normal."
+            "Delays: mean ± std (min–max) n=seeds where defined; detection delay, k before onset: k of the n "
+            f"detections were {BEFORE_ONSET}; closure: seeds where the agent stays isolated to the end of its "
+            "degradation; reintegration: tasks from restoration to its final run in state normal."
         )
         agents = new_table(
             "Self-healing per degraded agent",

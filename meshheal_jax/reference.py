@@ -324,6 +324,7 @@ class ReferenceNetwork:
         self.state = [NORMAL] * self.n
         self.consecutive = [0] * self.n
         self.probe_timer = [0] * self.n
+        self.n_types = n_types
         keys = [(i, ty, s) for i in range(self.n) for ty in range(n_types) for s in range(self.n_abilities)]
         self.scores = {k: Window(params.window_scores) for k in keys}
         self.shortfalls = {k: Window(params.window_shortfalls) for k in keys}
@@ -423,8 +424,9 @@ class ReferenceNetwork:
     def clear_evidence(self, i: int) -> None:
         """window_reset (decisions P7): every window, count and CUSUM statistic of agent i emptied,
         as at the start."""
-        for key in self.scores:
-            if key[0] == i:
+        for task_type in range(self.n_types):
+            for s in range(self.n_abilities):
+                key = (i, task_type, s)
                 self.scores[key] = Window(self.p.window_scores)
                 self.shortfalls[key] = Window(self.p.window_shortfalls)
                 self.n_shortfalls[key] = 0

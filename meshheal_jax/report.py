@@ -325,19 +325,20 @@ def isolates(r: dict) -> bool:
     return r.get("detector") != runner.NO_DETECTOR
 
 
+# "k before onset" after a detection delay (decisions P5b): k of its detections were ...
 BEFORE_ONSET = (
-    "k before onset: seeds where the agent was already isolated (falsely, while healthy) when it degraded, "
-    "read as detection at delay 0 unless it left isolation on its first degraded task"
+    "of an agent already isolated (falsely, while healthy) when it degraded, which §7 reads as detection "
+    "at delay 0 unless it left isolation on its first degraded task"
 )
 
 
 def detection_text(a: dict) -> str:
     """A degraded agent's detection delay over seeds (mean ± std (min–max) n=seeds where
-    isolated), or never isolated; with the seeds where it was already isolated when it degraded
-    (a false isolation, read by §7 as a detection at delay 0 unless it left isolation then)."""
+    isolated), or never isolated; with how many of those n detections were before onset
+    (`BEFORE_ONSET`, decisions P5b)."""
     if not a["detection_delay"] or a["detection_delay"].get("n_defined", 0) == 0:
         return NEVER_ISOLATED
-    onset = a.get("isolated_at_onset_seeds", 0)
+    onset = a.get("onset_detections", 0)
     return fmt_range(a["detection_delay"]) + (f", {onset} before onset" if onset else "")
 
 

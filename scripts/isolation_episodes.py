@@ -1,5 +1,6 @@
-"""How long isolations last: read a run folder's MeshHeal states (a `main`, `recovery` or `ablate`
-run of a small network) and, per dataset and pair, pooled over seeds:
+"""How long isolations last: read a run folder's MeshHeal states (a `main` or `recovery` run of a
+small network, or one variant's folder of an `ablate` run, `OUT/<variant>`) and, per dataset and
+pair, pooled over seeds:
 
 - releases: transitions out of isolated (a probe's z < beta);
 - agents normal on an average task; healthy agents isolated on an average task, and the share of
@@ -83,7 +84,9 @@ def isolation_episodes(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=Path, help="a main, recovery or ablate run folder")
+    ap.add_argument(
+        "run_dir", type=Path, help="a main or recovery run folder, or an ablate run's OUT/<variant>"
+    )
     args = ap.parse_args()
     config = json.loads((args.run_dir / "config.json").read_text())["experiment"]
     exp = experiment_from_config(config)

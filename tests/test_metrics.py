@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from meshheal_jax import metrics
+from meshheal_jax import metrics, report
 from meshheal_jax.streams import HealthSchedule
 
 
@@ -262,19 +262,24 @@ def test_stream_metrics_health_split_and_false_isolations():
 
 def test_aggregate_over_seeds():
     per_seed = []
-    for delay, closure in ((3, True), (None, False), (5, True)):
+    for delay, closure, onset in ((0, True, True), (None, False, True), (5, True, False)):
         per_seed.append({
             **{k: 1.0 for k in metrics.SCALAR_KEYS},
             "phases": [{"name": "healthy", "acc": 0.5, "tokens_per_task": 10.0, "calls_per_task": 9.0}],
             "agents": [{"agent": 2, "degraded_at": 20, "recovered_at": None, "detection_delay": delay,
-                        "closure": closure, "reintegration_delay": None}],
+                        "closure": closure, "reintegration_delay": None, "isolated_at_onset": onset}],
             "review_audit": {"committee_rate": 0.5},
         })  # fmt: skip
     out = metrics.aggregate(per_seed, [0, 1, 2])
     assert out["seeds"] == [0, 1, 2]
     a = out["agents"][0]
-    assert a["detection_delay"]["n_defined"] == 2 and a["detection_delay"]["mean"] == 4.0
+    assert a["detection_delay"]["n_defined"] == 2 and a["detection_delay"]["mean"] == 2.5
     assert a["closure_seeds"] == 2
+    assert a["onset_detections"] == 1  # seed 1 was isolated at onset, released at once and never detected
+    assert report.detection_text(a) == "2.5 ± 3.5 (0–5) n=2, 1 before onset"
+    assert report.detection_text({**a, "onset_detections": 0}) == "2.5 ± 3.5 (0–5) n=2"
+    never = metrics.stat([None, None])
+    assert report.detection_text({"detection_delay": never, "onset_detections": 0}) == report.NEVER_ISOLATED
     assert a["reintegration_delay"] == {"mean": None, "std": None, "min": None, "max": None, "n_defined": 0}
     assert out["phases"][0]["acc"]["mean"] == 0.5
     assert out["review_audit"]["committee_rate"]["n_defined"] == 3

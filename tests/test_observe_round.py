@@ -70,8 +70,45 @@ def both(detector, p, world, net, evidence, order, observations, width, later_wi
 @given(data=st.data())
 def test_observe_round_equals_one_by_one(detector, width, later_width, reset, data):
     p, world, net = mid_run(detector)
-    n_agents = int(net.state.shape[0])
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    evidence, order, observations = random_round(rng, net, world)
+    (net_fast, obs_fast), (net_slow, obs_slow) = both(
+        detector, p, world, net, evidence, order, observations, width, later_width, reset
+    )
+    kept = np.asarray(evidence.valid)
+    net_leaves = [
+        (f"net.{f.name}", getattr(net_fast, f.name), getattr(net_slow, f.name), None)
+        for f in dataclasses.fields(engine.Net)
+    ]  # every field, the kept means included
+    obs_leaves = [(f"obs.{f.name}", getattr(obs_fast, f.name), getattr(obs_slow, f.name), kept)
+                  for f in dataclasses.fields(engine.Observation)]  # fmt: skip
+    for name, a, b, mask in net_leaves + obs_leaves:
+        a, b = np.asarray(a), np.asarray(b)
+        if mask is not None:
+            a, b = a[mask], b[mask]
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("reset, width, later_width", [("on_isolation", SLOTS, None), ("on_release", 3, 1)])
+@pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
+def test_these_rounds_isolate_and_release(detector, reset, width, later_width):
+    """The rounds above exercise the window resets: over 40 fixed rounds some observation's
+    transition clears its author's evidence (entering isolation; leaving it)."""
+    p, world, net = mid_run(detector)
+    cleared = 0
+    for seed in range(40):
+        evidence, order, observations = random_round(np.random.default_rng(seed), net, world)
+        _, (_, obs) = both(detector, p, world, net, evidence, order, observations, width, later_width, reset)
+        cleared += int((np.asarray(engine.clears(reset, obs)) & np.asarray(evidence.valid)).sum())
+    assert cleared > 0
+
+
+def random_round(rng: np.random.Generator, net: engine.Net, world: engine.World):
+    """(evidence, order, observations) of a random round of SLOTS slots."""
+    n_agents = int(net.state.shape[0])
     # authors: a few hubs and their neighbours, so that rounds repeat authors and touch neighbours
     # and agents that are watched or isolated (their state moves most), with extreme scores
     flagged = np.flatnonzero(np.asarray(net.state) != engine.NORMAL)
@@ -93,24 +130,7 @@ def test_observe_round_equals_one_by_one(detector, width, later_width, reset, da
     zi = jnp.zeros(SLOTS, jnp.int32)
     observations = engine.Observation(z=jnp.zeros(SLOTS), z_defined=jnp.zeros(SLOTS, bool), before=zi, after=zi,
                                       reason=zi)  # fmt: skip
-    (net_fast, obs_fast), (net_slow, obs_slow) = both(
-        detector, p, world, net, evidence, order, observations, width, later_width, reset
-    )
-    kept = np.asarray(evidence.valid)
-    net_leaves = [
-        (f"net.{f.name}", getattr(net_fast, f.name), getattr(net_slow, f.name), None)
-        for f in dataclasses.fields(engine.Net)
-    ]  # every field, the kept means included
-    obs_leaves = [(f"obs.{f.name}", getattr(obs_fast, f.name), getattr(obs_slow, f.name), kept)
-                  for f in dataclasses.fields(engine.Observation)]  # fmt: skip
-    for name, a, b, mask in net_leaves + obs_leaves:
-        a, b = np.asarray(a), np.asarray(b)
-        if mask is not None:
-            a, b = a[mask], b[mask]
-        if a.dtype.kind == "f":
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12, err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name)
+    return evidence, order, observations
 
 
 def test_first_wave_on_a_hand_built_round():

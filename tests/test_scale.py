@@ -487,7 +487,8 @@ def assert_outcomes_agree(states: pl.DataFrame, schedule: HealthSchedule) -> dic
     assert onset == {
         agent for agent, begin, _ in schedule.intervals if matrix[begin - 1, agent] == "isolated"
     }
-    assert scaled["isolated_at_onset"] == len(onset)
+    detected = {a["agent"] for a in agents if a["detection_delay"] is not None}
+    assert scaled["onset_detections"] == len(onset & detected)
     if delays:
         assert scaled["detection_delay_mean"] == pytest.approx(float(np.mean(delays)))
         assert scaled["detection_delay_median"] == pytest.approx(float(np.median(delays)))
@@ -571,6 +572,9 @@ HAND_BUILT = {
         (270, 2, "normal", "isolated"), (270, 2, "isolated", "probation"), (290, 2, "probation", "isolated"),
         (400, 2, "isolated", "probation"), (400, 2, "probation", "normal"), (300, 1, "normal", "watched"),
     ], {2: 37, 4: 47}, 1),
+    "released at the first degraded task, never again": (PERSISTENT, [
+        (100, 2, "normal", "isolated"), (253, 2, "isolated", "watched"),
+    ], {2: None, 4: None}, 0),
     "never isolated": (PERSISTENT, [
         (260, 2, "normal", "watched"), (270, 2, "watched", "normal"), (300, 0, "normal", "isolated"),
         (300, 4, "normal", "watched"),
@@ -588,7 +592,8 @@ HAND_BUILT = {
 }  # fmt: skip
 # the degraded agents already isolated at the end of the task before their degradation
 ISOLATED_AT_ONSET = {"isolated before its degradation and kept": {2},
-                     "released at the first degraded task, isolated again": {2}}  # fmt: skip
+                     "released at the first degraded task, isolated again": {2},
+                     "released at the first degraded task, never again": {2}}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(HAND_BUILT))
@@ -641,3 +646,10 @@ def test_any_degraded_matches_the_degraded_matrix(case):
 def test_any_degraded_on_the_recovery_phases():
     got = metrics.any_degraded(recovery_schedule(630))
     assert not got[:126].any() and got[126:504].all() and not got[504:].any()
+
+
+def test_detection_cell_counts_the_detections_before_onset():
+    r = {"detection_delay_mean": metrics.stat([10.0, 20.0]), "onset_detections": metrics.stat([1, 0])}
+    assert scale.detection_cell(r) == "15.0 ± 7.1 (0.5 ± 0.7 before onset)"
+    assert scale.detection_cell({**r, "onset_detections": metrics.stat([0, 0])}) == "15.0 ± 7.1"
+    assert scale.detection_cell({"detection_delay_mean": metrics.stat([None])}) == "—"

@@ -27,20 +27,22 @@ SCRIPT = textwrap.dedent(
 
     # five streams of three datasets: params batched (p_part per dataset), padded to 8, two per device
     five = specs([(d, s) for s in exp.seeds for d in exp.datasets][:5])
+    three = specs([("bbh", s) for s in (0, 1, 2)])  # one dataset: params shared; 3 streams padded to 4
     assert engine.stream_mesh().size == 4 and engine.stream_mesh(False) is None
-    plain = engine.run_streams(five, ProtocolParams(), chunk=128, shard=False)
-    sharded = engine.run_streams(five, ProtocolParams(), chunk=128)
-    assert len(sharded) == len(five)
-    for a, b in zip(plain, sharded, strict=True):
-        for name in engine.TABLES:
-            x, y = a[name], b[name]
-            floats = [c for c, dtype in x.schema.items() if dtype == pl.Float64]
-            for c in floats:  # equal up to float rounding: XLA compiles the per-device program apart
-                gap = (x[c] - y[c]).abs().max()
-                assert gap is None or gap <= 1e-12, (name, c, gap)
-            assert x.drop(floats).equals(y.drop(floats)), name  # every decision, state and count
-    isolations = sum(int((f["states"]["to"] == "isolated").sum()) for f in plain)
-    print("streams", len(five), "tasks", sum(f["tasks"].height for f in plain), "isolations", isolations)
+    for batch in (five, three):
+        plain = engine.run_streams(batch, ProtocolParams(), chunk=128, shard=False)
+        sharded = engine.run_streams(batch, ProtocolParams(), chunk=128)
+        assert len(sharded) == len(batch)
+        for a, b in zip(plain, sharded, strict=True):
+            for name in engine.TABLES:
+                x, y = a[name], b[name]
+                floats = [c for c, dtype in x.schema.items() if dtype == pl.Float64]
+                for c in floats:  # equal up to float rounding: XLA compiles the per-device program apart
+                    gap = (x[c] - y[c]).abs().max()
+                    assert gap is None or gap <= 1e-12, (name, c, gap)
+                assert x.drop(floats).equals(y.drop(floats)), name  # every decision, state and count
+        isolations = sum(int((f["states"]["to"] == "isolated").sum()) for f in plain)
+        print("streams", len(batch), "tasks", sum(f["tasks"].height for f in plain), "isolations", isolations)
     print("SHARDED_EQUAL")
     """
 )
