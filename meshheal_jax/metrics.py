@@ -101,8 +101,9 @@ def state_matrix(states: pl.DataFrame, n_agents: int, n_tasks: int) -> np.ndarra
 
 
 def onset_detection(outcome: dict) -> bool:
-    """A detection of an agent already isolated when it degraded (decisions P5b)."""
-    return bool(outcome.get("isolated_at_onset")) and outcome["detection_delay"] is not None
+    """§7's delay 0 for an agent already isolated when it degraded and still isolated at the end
+    of its first degraded task: a false isolation, not a detection (decisions P5b)."""
+    return bool(outcome.get("isolated_at_onset")) and outcome["detection_delay"] == 0
 
 
 def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]:
@@ -229,7 +230,7 @@ def scale_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> dict:
         "isolated_degraded": int((table["end_state"] == "isolated").sum()),
         "missed": int(table["detected"].is_null().sum()),
         "onset_detections": int(
-            ((table["onset_state"] == "isolated") & table["detected"].is_not_null()).sum()
+            ((table["onset_state"] == "isolated") & (table["begin_state"] == "isolated")).sum()
         ),
         "detection_delay_mean": float(delays.mean()) if delays.len() else None,
         "detection_delay_median": float(delays.median()) if delays.len() else None,

@@ -327,8 +327,8 @@ def isolates(r: dict) -> bool:
 
 # "k before onset" after a detection delay (decisions P5b): k of its detections were ...
 BEFORE_ONSET = (
-    "of an agent already isolated (falsely, while healthy) when it degraded, which §7 reads as detection "
-    "at delay 0 unless it left isolation on its first degraded task"
+    "§7's delay 0 for an agent already isolated (falsely, while healthy) when it degraded and still "
+    "isolated at the end of its first degraded task"
 )
 
 
@@ -616,7 +616,8 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
         sections.append(
             (
                 "Self-healing per degraded agent",
-                "Detection delay: tasks from degradation to the first isolation; closure: seeds where "
+                "Detection delay: tasks from degradation to the first isolation (k before onset: k of the "
+                f"n detections were {BEFORE_ONSET}); closure: seeds where "
                 "the agent stays isolated to the end of its degradation; reintegration delay: tasks "
                 "from restoration to the start of its final run in state normal.\n\n" + table,
             )

@@ -102,7 +102,7 @@ def print_summary(summary: dict) -> None:
     print_table(table)
     if any((r.get("onset_detections") or {}).get("mean") for r in summary["results"]):
         print(f"Detection delay: mean over the degraded agents detected; (x before onset): x detections per seed "
-              f"{BEFORE_ONSET}.")  # fmt: skip
+              f"were {BEFORE_ONSET}.")  # fmt: skip
 
 
 def body(cfg: ScaleConfig) -> None:

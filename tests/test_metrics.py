@@ -275,7 +275,9 @@ def test_aggregate_over_seeds():
     a = out["agents"][0]
     assert a["detection_delay"]["n_defined"] == 2 and a["detection_delay"]["mean"] == 2.5
     assert a["closure_seeds"] == 2
-    assert a["onset_detections"] == 1  # seed 1 was isolated at onset, released at once and never detected
+    assert (
+        a["onset_detections"] == 1
+    )  # seed 0; seed 1 was isolated at onset, released at once, never detected
     assert report.detection_text(a) == "2.5 ± 3.5 (0–5) n=2, 1 before onset"
     assert report.detection_text({**a, "onset_detections": 0}) == "2.5 ± 3.5 (0–5) n=2"
     never = metrics.stat([None, None])

@@ -487,8 +487,8 @@ def assert_outcomes_agree(states: pl.DataFrame, schedule: HealthSchedule) -> dic
     assert onset == {
         agent for agent, begin, _ in schedule.intervals if matrix[begin - 1, agent] == "isolated"
     }
-    detected = {a["agent"] for a in agents if a["detection_delay"] is not None}
-    assert scaled["onset_detections"] == len(onset & detected)
+    at_once = {a["agent"] for a in agents if a["detection_delay"] == 0}
+    assert scaled["onset_detections"] == len(onset & at_once)
     if delays:
         assert scaled["detection_delay_mean"] == pytest.approx(float(np.mean(delays)))
         assert scaled["detection_delay_median"] == pytest.approx(float(np.median(delays)))
