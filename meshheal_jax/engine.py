@@ -98,9 +98,7 @@ class EngineConfig:
     variant: str = "full"  # full | single_reviewer | no_takeover (config.VARIANTS): static, one program each
     detector: str = "relative"  # relative | absolute | cusum (config.DETECTORS): static, one program each
     convergence: str = "instant"  # instant | hop_per_task (config.CONVERGENCE): static, one program each
-    window_reset: str = (
-        "never"  # never | on_isolation | on_release (config.WINDOW_RESET): static, one program each
-    )
+    window_reset: str = "never"  # never | on_isolation | on_release (config.WINDOW_RESET): static
 
 
 @pytree
@@ -1351,19 +1349,8 @@ def absorb_route(
 def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, resp: Responses, draws_t):
     """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
     new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
-    net, obs = observe(
-        p,
-        world,
-        net,
-        ev.author,
-        ev.task_type,
-        ev.ability,
-        ev.q,
-        ev.t,
-        ev.valid,
-        cfg.detector,
-        cfg.window_reset,
-    )
+    net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector,
+                       cfg.window_reset)  # fmt: skip
     if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
         net = refresh_distances(world, net, isolation_changed(obs))
     probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)

@@ -405,13 +405,11 @@ class ReferenceNetwork:
 
     def _enter(self, i: int, new: str, t: int, z: float, reason: str, out: dict) -> dict:
         """Apply a detector decision: probe timer on isolation, distance tables on a change."""
-        was, isolated = self.state[i] == ISOLATED, new == ISOLATED
-        if isolated and not was:
+        was = self.state[i] == ISOLATED
+        entering, leaving = new == ISOLATED and not was, was and new != ISOLATED
+        if entering:
             self.probe_timer[i] = t
-        reset = self.p.window_reset
-        if (reset == "on_isolation" and isolated and not was) or (
-            reset == "on_release" and was and not isolated
-        ):
+        if {"on_isolation": entering, "on_release": leaving}.get(self.p.window_reset, False):
             self.clear_evidence(i)
         out.update(z=z, to=new, reason=reason)
         if new != self.state[i]:
