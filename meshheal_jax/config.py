@@ -70,18 +70,11 @@ class ProtocolParams:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise MeshHealError(f"unknown MeshHeal variant {self.variant!r}; known: {', '.join(VARIANTS)}")
-        if self.next_hop_ties not in NEXT_HOP_TIES:
-            raise MeshHealError(
-                f"unknown next_hop_ties {self.next_hop_ties!r}; known: {', '.join(NEXT_HOP_TIES)}"
-            )
-        if self.convergence not in CONVERGENCE:
-            raise MeshHealError(f"unknown convergence {self.convergence!r}; known: {', '.join(CONVERGENCE)}")
-        if self.window_reset not in WINDOW_RESET:
-            raise MeshHealError(
-                f"unknown window_reset {self.window_reset!r}; known: {', '.join(WINDOW_RESET)}"
-            )
-        if self.detector not in DETECTORS:
-            raise MeshHealError(f"unknown detector {self.detector!r}; known: {', '.join(DETECTORS)}")
+        choices = {"next_hop_ties": NEXT_HOP_TIES, "convergence": CONVERGENCE, "window_reset": WINDOW_RESET,
+                   "detector": DETECTORS}  # fmt: skip
+        for name, known in choices.items():
+            if getattr(self, name) not in known:
+                raise MeshHealError(f"unknown {name} {getattr(self, name)!r}; known: {', '.join(known)}")
         if not self.absolute_scale > 0:
             raise MeshHealError(f"absolute_scale must be > 0, got {self.absolute_scale}")
         if not (self.cusum_h > 0 and self.cusum_k >= 0):

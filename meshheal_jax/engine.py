@@ -350,9 +350,8 @@ def relax_tables(holds, nbr, state, dist):
     """One synchronous Bellman-Ford step over the padded neighbour table: an eligible provider is
     at 0, any other agent at 1 + its neighbours' nearest in `dist`; N or more hops is INF."""
     through = jnp.where((nbr >= 0)[:, :, None], dist[jnp.maximum(nbr, 0)], INF).min(axis=1) + 1
-    return jnp.where(_providers(holds, state), 0, jnp.where(through < state.shape[0], through, INF)).astype(
-        jnp.int32
-    )
+    through = jnp.where(through < state.shape[0], through, INF)
+    return jnp.where(_providers(holds, state), 0, through).astype(jnp.int32)
 
 
 def relax_steps(holds, nbr, state, dist, max_steps):
@@ -544,8 +543,13 @@ def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
     """Record author i's final score q with the (static) detector; see observe_relative. `reset`
     (static; config.WINDOW_RESET): when an author loses its evidence (`clear_evidence`)."""
     rows, obs = observe_rows(p, world, net, i, task_type, s, q, t, evidence, detector)
-    net = write_rows(net, i, task_type, s, rows)
-    return (net if reset == "never" else clear_evidence(net, i, clears(reset, obs))), obs
+    return reset_evidence(reset, write_rows(net, i, task_type, s, rows), i, obs), obs
+
+
+def reset_evidence(reset: str, net: Net, authors, obs: Observation, mask=True) -> Net:
+    """`net` with the evidence of each author (where `mask`) whose transition in `obs` empties it
+    (`clears`) emptied; as it is for window_reset "never" (decisions P7)."""
+    return net if reset == "never" else clear_evidence(net, authors, mask & clears(reset, obs))
 
 
 def clears(reset: str, obs: Observation):
@@ -783,8 +787,7 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
         lambda r, c: jnp.where(used.reshape((-1,) + (1,) * (r.ndim - 1)), r, c), rows, lead_rows)  # fmt: skip
     index = tuple(jnp.where(used, x, c) for x, c in zip((ev.author, ev.task_type, ev.ability), cell))
     net = write_rows(net, *index, rows)
-    if reset != "never":  # a wave's authors are distinct (an author's observations conflict)
-        net = clear_evidence(net, ev.author, used & clears(reset, obs))
+    net = reset_evidence(reset, net, ev.author, obs, used)  # a wave's authors are distinct (they conflict)
     target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
     observations = jax.tree_util.tree_map(
         lambda o, new: o.at[target].set(new, mode="drop"), observations, obs

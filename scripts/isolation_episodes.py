@@ -48,9 +48,8 @@ def isolation_episodes(
 ) -> dict:
     """The figures above for one (dataset, pair): `states`, `tasks` and `reviews` of its seeds."""
     n, n_agents = schedule.n_tasks, schedule.n_agents
-    degraded = np.zeros((n + 1, n_agents), bool)  # row t: during task t
-    for agent, begin, end in schedule.intervals:
-        degraded[begin:end, agent] = True
+    during = schedule.degraded_matrix()  # row t: who is degraded during task t
+    degraded = during[1:]  # aligned with the state matrix's rows (the end of task 1, 2, ...)
     seeds = sorted(tasks["seed"].unique().to_list())
     lengths, normal, healthy_isolated, degraded_isolated, releases = [], [], [], [], 0
     for seed in seeds:
@@ -59,10 +58,10 @@ def isolation_episodes(
         isolated = matrix == "isolated"
         normal.append((matrix == "normal").sum(axis=1).mean())
         releases += mine.filter(pl.col("from") == "isolated").height
-        healthy_isolated.append((isolated & ~degraded[1:]).sum(axis=1).mean())
+        healthy_isolated.append((isolated & ~degraded).sum(axis=1).mean())
         if degraded.any():
-            degraded_isolated.append((isolated & degraded[1:]).sum() / degraded[1:].sum())
-        lengths += [length for agent, first, length in episodes(isolated) if not degraded[first, agent]]
+            degraded_isolated.append((isolated & degraded).sum() / degraded.sum())
+        lengths += [length for agent, first, length in episodes(isolated) if not during[first, agent]]
     lengths = np.array(lengths, dtype=float)
     probes = reviews.filter(pl.col("probe"))
     return {
