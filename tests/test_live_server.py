@@ -54,7 +54,9 @@ def tiny_server(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     tiny.build_tiny_llama(model_dir)
     try:
-        with tiny.serve_tiny(model_dir, timeout_s=120) as base_url:
+        # continuous batching serves a round's concurrent requests together, and one torch thread
+        # keeps the server from fighting the client and the other test worker for the two cores
+        with tiny.serve_tiny(model_dir, ["--continuous-batching"], timeout_s=120, threads=1) as base_url:
             yield base_url, model_dir
     except RuntimeError as err:
         pytest.fail(str(err))

@@ -105,10 +105,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_tiny(
-    model_dir: Path | str, extra_args: Sequence[str] = (), timeout_s: float = 180.0
+    model_dir: Path | str, extra_args: Sequence[str] = (), timeout_s: float = 180.0, threads: int | None = None
 ) -> Iterator[str]:
     """Start `transformers serve MODEL_DIR` on 127.0.0.1 (CPU, offline), wait for /health, yield
-    its base URL; stop it on exit. Raises RuntimeError with the log's tail when it exits or is not
+    its base URL; stop it on exit. `threads` caps torch's intra-op threads (OMP_NUM_THREADS; None:
+    torch's default, one per core): where the client or other work shares the cores, one thread
+    keeps the server from fighting them. Raises RuntimeError with the log's tail when it exits or is not
     healthy within `timeout_s`. The port is a free one picked just before the start; should another
     process take it in between (the server exits with "address already in use"), up to two more
     ports are tried."""
@@ -121,6 +123,7 @@ def serve_tiny(
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        **({} if threads is None else {"OMP_NUM_THREADS": str(threads)}),
     }
     for attempt in range(3):
         port = free_port()
