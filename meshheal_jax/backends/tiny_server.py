@@ -105,7 +105,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_tiny(
-    model_dir: Path | str, extra_args: Sequence[str] = (), timeout_s: float = 180.0, threads: int | None = None
+    model_dir: Path | str,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 180.0,
+    threads: int | None = None,
 ) -> Iterator[str]:
     """Start `transformers serve MODEL_DIR` on 127.0.0.1 (CPU, offline), wait for /health, yield
     its base URL; stop it on exit. `threads` caps torch's intra-op threads (OMP_NUM_THREADS; None:
