@@ -15,6 +15,21 @@ _FAST = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST).strip()
 
+# One compile cache for the whole test session, fresh each time: the workers and the commands the
+# tests start (CLI, benchmarks, live runs: dozens of processes) compile many of the same small
+# programs, which optimisation off brings under the package's 2 s threshold for caching, so here
+# every program is kept. The first process to load this file (pytest's, or a lone worker's) makes
+# the folder; the processes it starts inherit it; it removes the folder at the end. A cache the
+# user chose (JAX_COMPILATION_CACHE_DIR) or turned off (MESHHEAL_JAX_CACHE=off) is left as it is.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("MESHHEAL_JAX_CACHE", "").lower() not in (
+    "0", "off", "none"
+):  # fmt: skip
+    import tempfile
+
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshheal-test-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
 # The Hugging Face hub is never asked from a test (no network here; data.hub_commit then answers
 # None): the hub tests answer through stubs of `datasets` and of data.hub_commit.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,6 +50,13 @@ from meshheal_jax import topology
 # the other files, the order is pytest's own.
 SLOW_FIRST = ("test_engine.py", "test_lanes.py", "test_cli.py", "test_live_server.py", "test_benchmarks.py",
               "test_sharding.py", "test_live_throughput.py", "test_live_baselines.py")  # fmt: skip
+
+
+def pytest_unconfigure(config) -> None:
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
