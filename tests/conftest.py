@@ -18,16 +18,15 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # One compile cache for the whole test session, fresh each time: the workers and the commands the
 # tests start (CLI, benchmarks, live runs: dozens of processes) compile many of the same small
 # programs, which optimisation off brings under the package's 2 s threshold for caching, so here
-# every program is kept. The first process to load this file (pytest's, or a lone worker's) makes
-# the folder; the processes it starts inherit it; it removes the folder at the end. A cache the
-# user chose (JAX_COMPILATION_CACHE_DIR) or turned off (MESHHEAL_JAX_CACHE=off) is left as it is.
+# every program is kept. The first process to load this file (pytest's, or a lone worker's) points
+# MESHHEAL_JAX_CACHE at a new folder (the package's own rule then applies it); the processes it
+# starts inherit it; it removes the folder at the end. A cache the user chose or turned off
+# (MESHHEAL_JAX_CACHE, JAX_COMPILATION_CACHE_DIR) is left as it is.
 _OWN_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("MESHHEAL_JAX_CACHE", "").lower() not in (
-    "0", "off", "none"
-):  # fmt: skip
+if "MESHHEAL_JAX_CACHE" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
-    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshheal-test-xla-")
+    _OWN_CACHE = os.environ["MESHHEAL_JAX_CACHE"] = tempfile.mkdtemp(prefix="meshheal-test-xla-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 # The Hugging Face hub is never asked from a test (no network here; data.hub_commit then answers

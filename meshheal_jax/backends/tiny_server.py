@@ -113,8 +113,8 @@ def serve_tiny(
     """Start `transformers serve MODEL_DIR` on 127.0.0.1 (CPU, offline), wait for /health, yield
     its base URL; stop it on exit. `threads` caps torch's intra-op threads (OMP_NUM_THREADS; None:
     torch's default, one per core): where the client or other work shares the cores, one thread
-    keeps the server from fighting them. Raises RuntimeError with the log's tail when it exits or is not
-    healthy within `timeout_s`. The port is a free one picked just before the start; should another
+    keeps the server from fighting them. Raises RuntimeError with the log's tail when it exits or
+    is not healthy within `timeout_s`. The port is a free one picked just before the start; should another
     process take it in between (the server exits with "address already in use"), up to two more
     ports are tried."""
     model_dir = Path(model_dir)
