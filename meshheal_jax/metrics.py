@@ -50,6 +50,11 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
 }  # fmt: skip
 
 
+def agent_label(agent: int) -> str:
+    """'A3 (agent 2)': the profile name (1-based, per six-agent replica) and the 0-based index."""
+    return f"A{agent % 6 + 1} (agent {agent})"
+
+
 def frame(table: str, rows: list[dict]) -> pl.DataFrame:
     """Rows -> a frame with the table's fixed schema (columns in schema order)."""
     schema = SCHEMAS[table]

@@ -20,7 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.metrics import state_matrix
+from meshheal_jax.metrics import agent_label, state_matrix
 from meshheal_jax.streams import HealthSchedule
 
 STATES = ("normal", "watched", "isolated")
@@ -45,11 +45,6 @@ def _save(fig: Figure, path: Path | str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=DPI)
     return path
-
-
-def agent_label(agent: int) -> str:
-    """'A3 (agent 2)': the profile name (1-based, per six-agent replica) and the 0-based index."""
-    return f"A{agent % 6 + 1} (agent {agent})"
 
 
 def _single(frame: pl.DataFrame, column: str, given: str | None, what: str) -> str | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import tyro
 
-from meshheal_jax import metrics, plots, runner
+from meshheal_jax import metrics, runner
 from meshheal_jax.cli import entrypoint, fmt, fmt_range
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
@@ -156,6 +156,8 @@ def scaling_entries(summary: dict) -> list[dict]:
 
 def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
     """Redraw the figures that apply to this run: [(caption, path)]."""
+    from meshheal_jax import plots  # here: matplotlib loads only when a figure is drawn
+
     figures: list[tuple[str, Path]] = []
     exp = run.experiment
     if run.name == "recovery" and run.reviews is not None and run.states is not None:
@@ -426,7 +428,7 @@ def state_changes_table(states: pl.DataFrame, seed: int, dataset: str, pair: str
         rows.append(
             [
                 str(row["t"]),
-                plots.agent_label(row["agent"]),
+                metrics.agent_label(row["agent"]),
                 row["from"],
                 row["to"],
                 z,

@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 from rich.progress import Progress
 
-from meshheal_jax import graphs, metrics, reference
+from meshheal_jax import graphs, metrics
 from meshheal_jax.checkpoints import Checkpoints
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.data import (
@@ -652,6 +652,8 @@ def with_question_tokens(stream, pool, tokens):
 
 def run_one_stream(exp: Experiment, dataset: str, pair_name: str, seed: int) -> dict[str, pl.DataFrame]:
     """The reference engine, one MeshHeal stream."""
+    from meshheal_jax import reference  # here: JAX (its draws) starts only once a stream runs
+
     network, stream, pair, labels = _stream_inputs(exp, dataset, pair_name, seed)
     records = reference.run_stream(network, exp.protocol, pair, stream, exp.schedule(), labels)
     return {name: metrics.frame(name, getattr(records, name)) for name in TABLES}
