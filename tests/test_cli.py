@@ -350,6 +350,21 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     assert not out.exists()  # nothing is half-written
 
 
+COMMANDS = ("main", "recovery", "scale", "sweep", "ablate", "detectors", "calibration_report", "calibrate",
+            "calibration_fit", "report")  # fmt: skip
+
+
+def test_commands_import_neither_jax_nor_matplotlib_before_they_run():
+    """A command's flags and inputs are checked before JAX (its compiler) and matplotlib load, so a
+    refused command answers at once: the modules that need them are imported where they are used."""
+    probe = "import sys; " + "; ".join(f"import meshheal_jax.{m}" for m in COMMANDS)
+    probe += "; print(sorted(m for m in ('jax', 'jaxlib', 'matplotlib') if m in sys.modules))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [(("--protocol.move-limit", "0"), "move_limit must be >= 1, got 0"),
