@@ -104,7 +104,9 @@ def main() -> None:
         root = checkout.resolve()
         if not (root / "meshheal_jax" / "engine.py").is_file():
             ap.error(f"{checkout} is not a checkout of this repository (no meshheal_jax/engine.py)")
-        env = dict(os.environ, PYTHONPATH=str(root), MESHHEAL_JAX_CACHE="off")
+        # no disk cache in either arm (a JAX_COMPILATION_CACHE_DIR would win over MESHHEAL_JAX_CACHE)
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        env.update(PYTHONPATH=str(root), MESHHEAL_JAX_CACHE="off")
         if flags:
             env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
         arms.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *passed], cwd=root, env=env,
