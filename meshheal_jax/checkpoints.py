@@ -31,6 +31,7 @@ import time
 import warnings
 from pathlib import Path
 
+import jax
 import numpy as np
 import polars as pl
 
@@ -46,9 +47,7 @@ class CheckpointWarning(UserWarning):
 def layout(tree) -> dict:
     """What a carry's arrays must look like to be restored: the tree's structure, each leaf's shape
     and dtype."""
-    from jax import tree_util  # here, not at the top: a command's bad flags are refused before JAX starts
-
-    leaves, treedef = tree_util.tree_flatten(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     return {"tree": str(treedef), "leaves": [[list(np.shape(x)), str(np.asarray(x).dtype)] for x in leaves]}
 
 
@@ -106,9 +105,7 @@ class Checkpoints:
         for f in folder.iterdir():  # what a save cut short before its commit left behind
             if f.name != STATE and f.name != f"carry-{saved:05d}.npz" and not _counted(f.name, saved):
                 f.unlink()
-        from jax import tree_util
-
-        carry = tree_util.tree_unflatten(tree_util.tree_structure(template), leaves)
+        carry = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
         return carry, parts
 
     def save(self, m: int, carry, parts: list[dict[str, pl.DataFrame]], tasks_entered: int) -> None:
@@ -125,9 +122,7 @@ class Checkpoints:
             pl.concat([p[name] for p in parts]).write_parquet(path)
             written.append(path)
         written.append(folder / f"carry-{saved + 1:05d}.npz")
-        from jax import tree_util
-
-        np.savez(written[-1], *tree_util.tree_leaves(carry))
+        np.savez(written[-1], *jax.tree_util.tree_leaves(carry))
         state = {"saved": saved + 1, "tasks_entered": tasks_entered, "tables": sorted(parts[0]),
                  "layout": layout(carry)}  # fmt: skip
         tmp = folder / (STATE + ".tmp")

@@ -26,13 +26,13 @@ import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
 from rich.progress import Progress
 
 from meshheal_jax import graphs, metrics
-from meshheal_jax.checkpoints import Checkpoints
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.data import (
     DATASETS,
@@ -53,6 +53,9 @@ from meshheal_jax.streams import (
     recovery_schedule,
 )
 from meshheal_jax.topology import Network, build_network, load_profile, profile_path, replicate_holds
+
+if TYPE_CHECKING:
+    from meshheal_jax.checkpoints import Checkpoints
 
 TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
@@ -830,6 +833,8 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                 keep(("meshheal", dataset, pair, seed), run_one_stream(exp, dataset, pair, seed))
                 bar.advance(job)
         else:  # the JAX batches: MeshHeal's (one per pair) and every baseline's, side by side
+            from meshheal_jax.checkpoints import Checkpoints  # imports JAX: here, not at the top
+
             jobs, cancel = [], threading.Event()
             for pair in exp.pairs:  # one compiled program per pair, all its datasets and seeds vmapped
                 batch = [s for s in mine if s[1] == pair]
