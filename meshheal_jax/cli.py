@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, read_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +147,9 @@ def _live_doc(flags: CommonFlags) -> dict:
     """The live settings given (--live-config's keys, then the flags), by LIVE_KEYS name."""
     doc: dict = {}
     if flags.live_config is not None:
+        text = read_text(flags.live_config, "--live-config")
         try:
-            doc = tomllib.loads(flags.live_config.read_text())
-        except OSError as err:
-            raise MeshHealError(f"cannot read --live-config {flags.live_config}: {err.strerror}") from None
+            doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:
             raise MeshHealError(f"--live-config {flags.live_config} is not valid TOML: {err}") from None
         unknown = sorted(set(doc) - set(LIVE_KEYS))
@@ -243,9 +242,9 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
     """The project's own warnings as one line (`warning: ...`), as its errors are; others as Python
     formats them."""
     from meshheal_jax.data import QuestionPoolWarning
-    from meshheal_jax.runner import PhaseMixWarning
+    from meshheal_jax.runner import DamagedPartWarning, PhaseMixWarning
 
-    if issubclass(category, (PhaseMixWarning, QuestionPoolWarning)):
+    if issubclass(category, (PhaseMixWarning, QuestionPoolWarning, DamagedPartWarning)):
         return f"warning: {message}\n"
     return _PYTHON_FORMATWARNING(message, category, filename, lineno, line)
 
@@ -254,8 +253,9 @@ _PYTHON_FORMATWARNING = warnings.formatwarning
 
 
 def entrypoint(config_type: type, body: Callable, description: str) -> None:
-    """Parse flags, run body(config); a MeshHealError prints one line and exits with status 2, the
-    project's warnings print one line each."""
+    """Parse flags, run body(config); the project's warnings print one line each. A MeshHealError
+    (bad input) prints one line and exits with status 2; an OSError (a folder that cannot be made,
+    a full disk) one line naming the file, status 1; Ctrl-C one line saying what is kept, status 130."""
     warnings.formatwarning = _warning_line
     try:
         config = tyro.cli(config_type, description=description)
@@ -263,6 +263,17 @@ def entrypoint(config_type: type, body: Callable, description: str) -> None:
     except MeshHealError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(STOPPED, file=sys.stderr)
+        sys.exit(130)
+
+
+STOPPED = ("stopped: what finished (streams, MeshHeal's checkpoints, fit generations) is kept in the output "
+           "folder; rerun the same command with --out set to it (runs/<experiment>-<time> if you gave none) to "
+           "resume (a sweep does not resume)")  # fmt: skip
 
 
 def fmt(s: dict | None, digits: int = 3, scale: float = 1.0) -> str:

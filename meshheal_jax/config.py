@@ -8,6 +8,7 @@ docs/decisions.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from meshheal_jax.errors import MeshHealError
 
@@ -68,6 +69,12 @@ class ProtocolParams:
     cusum_h: float = 1.0
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # the engines hold these in float64 / int32
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise MeshHealError(f"protocol parameter {field.name} must be finite, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and not -(2**31) <= value < 2**31:
+                raise MeshHealError(f"protocol parameter {field.name} must fit in int32, got {value}")
         if self.variant not in VARIANTS:
             raise MeshHealError(f"unknown MeshHeal variant {self.variant!r}; known: {', '.join(VARIANTS)}")
         choices = {"next_hop_ties": NEXT_HOP_TIES, "convergence": CONVERGENCE, "window_reset": WINDOW_RESET,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, read_text
 from meshheal_jax.topology import Profile, load_profile
 
 DATASETS = ("bbh", "math", "mmlu_pro")
@@ -101,10 +101,7 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        try:
-            lines = path.read_text(encoding="utf-8").split("\n")
-        except OSError as err:
-            raise MeshHealError(f"cannot read {path}: {err.strerror or err}") from None
+        lines = read_text(path, "data file").split("\n")
         # split on "\n" only: str.splitlines would also split on U+2028 and friends, which occur
         # inside MMLU-Pro strings
         for n, line in enumerate(lines, 1):
@@ -114,16 +111,19 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise _row_error(f"{path}, row {n}", f"invalid JSON ({err.msg})") from None
+            except RecursionError:
+                raise _row_error(f"{path}, row {n}", "JSON nested too deeply") from None
             if not isinstance(row, dict):
                 raise _row_error(f"{path}, row {n}", f"expected a JSON object, got {type(row).__name__}")
             yield n, row
     elif suffix == ".json":
+        text = read_text(path, "data file")
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as err:
-            raise MeshHealError(f"cannot read {path}: {err.strerror or err}") from None
+            doc = json.loads(text)
         except json.JSONDecodeError as err:
             raise MeshHealError(f"{path}: invalid JSON at line {err.lineno} ({err.msg})") from None
+        except RecursionError:
+            raise MeshHealError(f"{path}: JSON nested too deeply") from None
         rows = doc.get("examples") if isinstance(doc, dict) else doc
         if not isinstance(rows, list):
             raise MeshHealError(f"{path}: expected a list of rows or an object with an 'examples' list")

@@ -58,7 +58,7 @@ import numpy as np
 import scipy.sparse
 import scipy.sparse.csgraph
 
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, read_text
 
 BASE_AGENTS = 6  # agents per replica of a profile (spec/abilities.md "Larger networks")
 HOP_LIMIT = 3  # one hop of slack under the routing limit of 4
@@ -623,10 +623,7 @@ def load_edge_list(path: str | Path, n_agents: int) -> Edges:
     a repeated pair, an id outside ``0..n_agents-1`` or a malformed row is an error naming the file
     and the line (CSV) or entry (JSON). Returns canonical edges (i < j, sorted)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise MeshHealError(f"graph file {path}: cannot read: {err.strerror or err}") from None
+    text = read_text(path, "graph file")
     where = f"graph file {path}"
     is_json = path.suffix.lower() == ".json" or text.lstrip()[:1] in ("[", "{")
     rows = _json_pairs(text, where) if is_json else _csv_pairs(text)

@@ -14,9 +14,9 @@ from statistics import NormalDist
 
 import numpy as np
 
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, read_text
 from meshheal_jax.streams import DIFFICULTY_BINS
-from meshheal_jax.topology import Profile, unknown_keys, whole_number
+from meshheal_jax.topology import MAX_TOKENS, Profile, unknown_keys, whole_number
 
 MODEL_DIR = Path(__file__).parent / "model_params"
 ANCHORS = (0.0, 0.25, 0.5, 1.0)
@@ -40,6 +40,7 @@ DIFFICULTY = ("difficulty_spread", "review_difficulty")
 # probability, 0 (judged on the own part alone, the spec's base rule) when a file leaves it out.
 DRAFT_BLAME = "draft_blame"
 OPTIONAL = DIFFICULTY + (DRAFT_BLAME,)  # every optional model-file number, neutral at 0
+MAX_DISTRACTORS = 64  # wrong answers a baseline's vote can pick among (the shipped files: 4)
 MODEL_KEYS = ("model",) + SCALARS + OPTIONAL + (
     "n_distractors", "p_part", "review", "round2", "completion_tokens", "prompt_tokens",
 )  # fmt: skip
@@ -235,18 +236,18 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
     scalars = {k: _probability(doc[k], f"{source}: {k}") for k in SCALARS}
     scalars |= {k: _non_negative(doc.get(k, 0.0), f"{source}: {k}") for k in DIFFICULTY}
     scalars[DRAFT_BLAME] = _probability(doc.get(DRAFT_BLAME, 0.0), f"{source}: {DRAFT_BLAME}")
-    n_distractors = whole_number(doc["n_distractors"], f"{source}: n_distractors", 1)
+    n_distractors = whole_number(doc["n_distractors"], f"{source}: n_distractors", 1, MAX_DISTRACTORS)
     completion = {}
     for kind, bounds in _per_kind(doc, "completion_tokens", source).items():
         where = f"{source}: completion_tokens.{kind}"
         if not isinstance(bounds, list) or len(bounds) != 2:
             raise MeshHealError(f"{where} must be [min, max], got {bounds!r}")
-        low, high = (whole_number(x, where) for x in bounds)
+        low, high = (whole_number(x, where, 0, MAX_TOKENS) for x in bounds)
         if low > high:
             raise MeshHealError(f"{where} must be [min, max] with min <= max, got {bounds!r}")
         completion[kind] = (low, high)
     prompt = {
-        k: whole_number(v, f"{source}: prompt_tokens.{k}")
+        k: whole_number(v, f"{source}: prompt_tokens.{k}", 0, MAX_TOKENS)
         for k, v in _per_kind(doc, "prompt_tokens", source).items()
     }
     p_part = {}
@@ -277,10 +278,11 @@ def model_path(name_or_path: str | Path, model_dir: Path | None = None) -> Path:
 
 def load_model(name_or_path: str | Path, model_dir: Path | None = None) -> ModelParams:
     path = model_path(name_or_path, model_dir)
+    if not path.exists():
+        raise MeshHealError(f"model parameter file not found: {path}")
+    text = read_text(path, "model parameter file")
     try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise MeshHealError(f"model parameter file not found: {path}") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise MeshHealError(f"cannot parse model parameter file {path}: {err}") from None
     return parse_model(doc, path.stem, str(path))

@@ -16,6 +16,7 @@ import polars as pl
 
 from meshheal_jax import report, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.main import method_label, ordered
 from meshheal_jax.report import (
     BEFORE_ONSET,
@@ -113,6 +114,10 @@ def print_summary(summary: dict, states: pl.DataFrame, seed: int) -> None:
 
 
 def body(cfg: RecoveryConfig) -> None:
+    if cfg.show_seed is not None and cfg.show_seed not in cfg.seed_tuple():
+        raise MeshHealError(
+            f"--show-seed {cfg.show_seed} is not among the seeds run {list(cfg.seed_tuple())}"
+        )
     results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, **cfg.run_options())
     seed = cfg.show_seed if cfg.show_seed is not None else cfg.seed_tuple()[0]
     print_summary(results.summary, results.states, seed)

@@ -19,6 +19,8 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import os
+import re
 import shutil
 import subprocess
 import threading
@@ -219,6 +221,7 @@ class PhaseMixWarning(UserWarning):
 
 def profile_targets(datasets: Sequence[str], profiles_dir: Path | None = None) -> tuple[int, ...]:
     """The profiles' A3/A5 (`degraded_targets`, 0-based), one pair for every dataset of a run."""
+    check_names("datasets", datasets)
     targets = {d: load_profile(d, profiles_dir).degraded_targets for d in datasets}
     if len(set(targets.values())) > 1:
         raise MeshHealError(
@@ -226,6 +229,21 @@ def profile_targets(datasets: Sequence[str], profiles_dir: Path | None = None) -
             "datasets apart"
         )
     return targets[datasets[0]]
+
+
+def check_names(what: str, names: Sequence[str]) -> None:
+    """A run's datasets or pairs: at least one, distinct, each a bare name (a dataset names
+    `<profiles dir>/<name>.toml`; the name also names the run folder's parts, so no paths)."""
+    if not names:
+        raise MeshHealError(f"no {what} given")
+    if len(set(names)) != len(names):
+        raise MeshHealError(f"{what} must be distinct, got {list(names)}")
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+            raise MeshHealError(
+                f"{what}: {name!r} is not a name (letters, digits, _ . -); a profile of your own goes in "
+                "--profiles-dir DIR as DIR/<dataset>.toml"
+            )
 
 
 def degraded_or_targets(
@@ -260,6 +278,10 @@ class Experiment:
     params_dir: Path | None = None
 
     def validate(self) -> None:
+        check_names("datasets", self.datasets)
+        check_names("pairs", self.pairs)
+        if not 0 <= self.graph_seed < 2**63:
+            raise MeshHealError(f"--graph-seed must be in 0..2**63-1, got {self.graph_seed}")
         if not self.methods:
             raise MeshHealError("no methods given")
         for method in self.methods:
@@ -317,6 +339,12 @@ class Experiment:
         for dataset in self.datasets if self.live is not None else ():  # read now (kept for the run):
             read_questions(self.live, dataset, self.profiles_dir)  # a bad source writes nothing
         profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
+        ids = [profile.dataset_id for profile in profiles]
+        if len(set(ids)) != len(ids):  # a task's draws are keyed by (seed, dataset_id, t)
+            raise MeshHealError(
+                f"the profiles' dataset_id must be distinct (each keys its tasks' draws), got "
+                f"{dict(zip(self.datasets, ids))}"
+            )
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
             if (
@@ -762,11 +790,45 @@ def _write_tables(folder: Path, frames: dict[str, pl.DataFrame]) -> None:
 
 
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
+    """A finished stream's tables, on disk before the rename that makes the part count as finished."""
     tmp = part.with_name(part.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _write_tables(tmp, frames)
+    for path in (*tmp.iterdir(), tmp):
+        _flush(path)
     tmp.rename(part)
+    _flush(part.parent)
+
+
+def _flush(path: Path) -> None:
+    """Make a file's contents (or a folder's entries) durable (checkpoints.py flushes its own the same way)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DamagedPartWarning(UserWarning):
+    """A finished stream's part that cannot be read back: it is removed and the stream runs again."""
+
+
+def _finished(part: Path, tables: Sequence[str]) -> bool:
+    """Whether a stream's part is there and every table file of it is readable parquet (its footer:
+    a file cut short has none). One that is not is removed, with a warning, so its stream reruns
+    (the same records: a stream is a pure function of its settings)."""
+    if not part.exists():
+        return False
+    try:
+        for table in tables:
+            pl.read_parquet_schema(part / f"{table}.parquet")
+    except Exception as err:  # noqa: BLE001 -- polars raises several kinds for a damaged file
+        warnings.warn(DamagedPartWarning(f"finished stream {part} is damaged ({type(err).__name__}: "
+                                         f"{str(err)[:200]}); removed, its stream runs again"), stacklevel=2)  # fmt: skip
+        shutil.rmtree(part)
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -803,7 +865,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     if not checkpoint_every >= 0:
         raise MeshHealError(f"--checkpoint-every must be >= 0 seconds, got {checkpoint_every}")
     run_dir = prepare_run_dir(exp, out)
-    todo = [s for s in exp.streams() if not _part_dir(run_dir, *s).exists()]
+    todo = [s for s in exp.streams() if not _finished(_part_dir(run_dir, *s), exp.tables)]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
@@ -859,11 +921,18 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                     keep((method, *stream), frames)
                     bar.advance(job)
 
+    def read_part(stream: tuple, name: str) -> pl.DataFrame:
+        path = _part_dir(run_dir, *stream) / f"{name}.parquet"
+        try:
+            return pl.read_parquet(path)
+        except Exception as err:  # noqa: BLE001 -- damaged inside, past the footer _finished reads
+            raise MeshHealError(f"finished stream {path.parent} is damaged ({type(err).__name__}: "
+                                f"{str(err)[:200]}); delete that folder and rerun to run its stream again") from None  # fmt: skip
+
     def whole(name: str) -> pl.DataFrame:
         if name not in exp.tables:
             return pl.DataFrame(schema=metrics.SCHEMAS[name])
-        return pl.concat([finished[s][name] if s in finished else pl.read_parquet(_part_dir(run_dir, *s) / f"{name}.parquet")
-                          for s in exp.streams()])  # fmt: skip
+        return pl.concat([finished[s][name] if s in finished else read_part(s, name) for s in exp.streams()])
 
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # every stream has its part
     frames = {name: whole(name) for name in TABLES}

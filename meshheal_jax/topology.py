@@ -17,7 +17,7 @@ import numpy as np
 import scipy.sparse.csgraph
 
 from meshheal_jax import graphs
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, read_text
 from meshheal_jax.graphs import complete_edges, edges_from_adjacency, neighbour_table
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -93,10 +93,14 @@ def _names(row: dict, key: str, where: str) -> list[str]:
     return value
 
 
-def whole_number(value, where: str, minimum: int = 0) -> int:
-    """An integer >= minimum as the file wrote it (not a float, not a boolean); profiles and model files."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MeshHealError(f"{where} must be an integer >= {minimum}, got {value!r}")
+MAX_TOKENS = 10**6  # a bound on any token count a file gives (per question or call), far above real ones
+
+
+def whole_number(value, where: str, minimum: int = 0, maximum: int = 2**31 - 1) -> int:
+    """An integer in minimum..maximum as the file wrote it (not a float, not a boolean); profiles and
+    model files. The default maximum is what the engines' int32 arrays hold."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise MeshHealError(f"{where} must be an integer in {minimum}..{maximum}, got {value!r}")
     return value
 
 
@@ -106,7 +110,9 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
     try:
         dataset = str(doc["dataset"])
         dataset_id = whole_number(doc["dataset_id"], f"{source}: dataset_id", 0)
-        question_tokens = whole_number(doc.get("question_tokens", 200), f"{source}: question_tokens", 1)
+        question_tokens = whole_number(
+            doc.get("question_tokens", 200), f"{source}: question_tokens", 1, MAX_TOKENS
+        )
         ability_rows = _rows(doc, "ability", source)
         type_rows = _rows(doc, "task_type", source)
         target_names = _names(doc, "degraded_targets", source) if "degraded_targets" in doc else ["A3", "A5"]
@@ -196,9 +202,10 @@ def load_profile(dataset_or_path: str | Path, profile_dir: Path | None = None) -
             raise MeshHealError(
                 f"unknown dataset {str(dataset_or_path)!r} (no {path.name} in {folder}); known: {known}"
             )
+    text = read_text(path, "profile")
     try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as err:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
         raise MeshHealError(f"cannot read profile {path}: {err}") from None
     profile = parse_profile(doc, str(path))
     if by_name and profile.dataset != str(dataset_or_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,6 +333,10 @@ BAD_INPUTS = {
         "seeds must be distinct and in 0..2**31-1",
     ),
     "no tasks": (("--datasets", "math", "--tasks", "0"), "tasks per stream must be >= 1"),
+    "a dataset twice": (("--datasets", "math", "math"), "datasets must be distinct, got ['math', 'math']"),
+    "no datasets": (("--datasets",), "no datasets given"),
+    # a path would also name the run folder's parts (and could leave it through '..')
+    "a profile path as dataset": (("--datasets", "../profiles/bbh.toml"), "is not a name"),
 }
 
 
@@ -348,6 +353,85 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and fragment in lines[0]
     assert not out.exists()  # nothing is half-written
+
+
+def test_recovery_refuses_to_show_a_seed_it_does_not_run(tmp_path):
+    out = tmp_path / "out"
+    proc = cli("recovery", "--seeds", "1", "--show-seed", "7", "--quiet", "--out", str(out), cwd=tmp_path)
+    assert (
+        proc.returncode == 2 and proc.stderr.strip() == "error: --show-seed 7 is not among the seeds run [0]"
+    )
+    assert not out.exists()
+
+
+def two_profiles_one_id(root: Path) -> Path:
+    folder = root / "clash"
+    folder.mkdir()
+    shutil.copy(topology.PROFILE_DIR / "math.toml", folder)
+    math_id = topology.load_profile("math").dataset_id
+    text = (topology.PROFILE_DIR / "bbh.toml").read_text()
+    bbh_id = topology.load_profile("bbh").dataset_id
+    (folder / "bbh.toml").write_text(text.replace(f"dataset_id = {bbh_id}", f"dataset_id = {math_id}", 1))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"pairs": ("A", "A")}, "pairs must be distinct, got ['A', 'A']"),
+     ({"pairs": ()}, "no pairs given"),
+     ({"graph_seed": -1}, "--graph-seed must be in 0..2**63-1, got -1"),
+     ({"datasets": ("bbh", "math"), "profiles_dir": "<clash>"}, "the profiles' dataset_id must be distinct")],
+)  # fmt: skip
+def test_run_settings_refused_before_anything_is_written(changes, message, tmp_path):
+    if changes.get("profiles_dir") == "<clash>":
+        changes = {**changes, "profiles_dir": two_profiles_one_id(tmp_path)}
+    exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=84)
+    with pytest.raises(MeshHealError, match=re.escape(message)):
+        dataclasses.replace(exp, **changes).validate()
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, NotADirectoryError])
+def test_ctrl_c_and_file_system_errors_print_one_line(stop, monkeypatch, capsys):
+    @dataclasses.dataclass
+    class Nothing:
+        pass
+
+    def body(_config: Nothing) -> None:
+        raise KeyboardInterrupt if stop is KeyboardInterrupt else stop(20, "Not a directory", "/x/run")
+
+    from meshheal_jax import cli as cli_module
+
+    monkeypatch.setattr(sys, "argv", ["command"])
+    with pytest.raises(SystemExit) as ended:
+        cli_module.entrypoint(Nothing, body, "a command")
+    err = capsys.readouterr().err.strip()
+    if stop is KeyboardInterrupt:
+        assert ended.value.code == 130 and err == cli_module.STOPPED
+    else:
+        assert ended.value.code == 1 and err == "error: [Errno 20] Not a directory: '/x/run'"
+
+
+def test_a_damaged_finished_stream_runs_again(main_run, tmp_path):
+    """A part cut short (no parquet footer) or missing a table is removed with a one-line warning
+    and its stream runs again: the same records as before."""
+    proc, out = main_run
+    assert proc.returncode == 0, proc.stderr
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    part = copy / "parts" / "meshheal-math-default-seed0"
+    reviews = part / "reviews.parquet"
+    reviews.write_bytes(reviews.read_bytes()[:100])
+    (copy / "summary.json").unlink()
+    again = cli("main", *BASE_ARGS, "--out", str(copy), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    warned = [line for line in again.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 1 and f"finished stream {part} is damaged" in warned[0], again.stderr
+    for name, df in read_frames(copy).items():
+        assert df.equals(read_frames(out)[name], null_equal=True), name
+    (part / "calls.parquet").unlink()
+    third = cli("main", *BASE_ARGS, "--out", str(copy), cwd=tmp_path)
+    assert third.returncode == 0 and "FileNotFoundError" in third.stderr, third.stderr
+    assert read_frames(copy)["calls"].equals(read_frames(out)["calls"], null_equal=True)
 
 
 COMMANDS = ("main", "recovery", "scale", "sweep", "ablate", "detectors", "calibration_report", "calibrate",
@@ -377,6 +461,17 @@ def test_protocol_values_out_of_range_are_refused(args, message, tmp_path):
         "main", "--datasets", "math", "--tasks", "84", "--quiet", "--out", str(out), *args, cwd=tmp_path
     )
     assert proc.returncode == 2 and message in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"alpha": float("inf"), "beta": float("inf")}, "alpha must be finite, got inf"),
+     ({"cusum_h": float("nan")}, "cusum_h must be finite, got nan"),
+     ({"probe_interval": 2**40}, "probe_interval must fit in int32")],
+)  # fmt: skip
+def test_protocol_values_must_be_finite_and_fit_the_engines(changes, message):
+    with pytest.raises(MeshHealError, match=message):
+        ProtocolParams(**changes)
 
 
 def test_broken_profile_message_names_the_rule(tmp_path):

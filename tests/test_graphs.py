@@ -437,8 +437,18 @@ def test_load_rejects_bad_files(tmp_path, name, text, message):
 
 
 def test_load_missing_file(tmp_path):
-    with pytest.raises(MeshHealError, match=re.escape(f"graph file {tmp_path / 'nope.csv'}: cannot read")):
+    with pytest.raises(
+        MeshHealError, match=re.escape(f"cannot read graph file {tmp_path / 'nope.csv'}: No such")
+    ):
         graphs.load_edge_list(tmp_path / "nope.csv", 6)
+
+
+def test_load_an_edge_list_that_is_not_utf8(tmp_path):
+    (tmp_path / "latin1.csv").write_bytes("0,1\n1,2 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(
+        MeshHealError, match=re.escape(f"graph file {tmp_path / 'latin1.csv'} is not UTF-8 text")
+    ):
+        graphs.load_edge_list(tmp_path / "latin1.csv", 6)
 
 
 def test_load_sniffs_json_without_the_suffix(tmp_path):

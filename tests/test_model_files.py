@@ -50,6 +50,8 @@ MALFORMED = {
     "negative prompt tokens": (lambda d: d["prompt_tokens"].update(infer=-720), ("prompt_tokens.infer", "-720")),
     "fractional prompt tokens": (lambda d: d["prompt_tokens"].update(infer=720.9), ("prompt_tokens.infer", "720.9")),
     "review row as a number": (lambda d: d["review"]["strong_author"].update(correct=1.0), ("review.strong_author.correct",)),
+    "a billion distractors": (lambda d: d.update(n_distractors=10**9), ("n_distractors must be an integer in 1..64",)),
+    "completion tokens past int32": (lambda d: d["completion_tokens"].update(infer=[1, 3 * 10**9]), ("completion_tokens.infer", "0..1000000")),
 }  # fmt: skip
 
 
@@ -109,3 +111,17 @@ def test_a_dataset_missing_from_p_part_is_refused_before_the_run(tmp_path):
         MeshHealError, match="model file llama-3.2-1b: no \\[p_part\\] entry for dataset 'bbh'"
     ):
         exp.validate()
+
+
+def test_unreadable_model_files_are_named(tmp_path):
+    """A model file that is not UTF-8 text, or a folder, is refused naming the file."""
+    (tmp_path / "llama-3.2-1b.toml").write_bytes(b'model = "caf\xe9"\n')
+    with pytest.raises(
+        MeshHealError, match=r"model parameter file .*llama-3.2-1b.toml is not UTF-8 text \(byte 12"
+    ):
+        params.load_model("llama-3.2-1b", tmp_path)
+    (tmp_path / "gpt-oss-120b.toml").mkdir()
+    with pytest.raises(
+        MeshHealError, match="cannot read model parameter file .*gpt-oss-120b.toml: Is a directory"
+    ):
+        params.load_model("gpt-oss-120b", tmp_path)

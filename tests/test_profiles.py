@@ -304,7 +304,10 @@ def test_missing_key(bbh_doc):
 
 
 MALFORMED = {
-    "negative dataset_id": (lambda d: d.update(dataset_id=-5), ("dataset_id", "integer >= 0", "-5")),
+    "negative dataset_id": (
+        lambda d: d.update(dataset_id=-5),
+        ("dataset_id", "integer in 0..2147483647", "-5"),
+    ),
     "string dataset_id": (lambda d: d.update(dataset_id="zero"), ("dataset_id", "'zero'")),
     "negative question_tokens": (lambda d: d.update(question_tokens=-260), ("question_tokens", "-260")),
     "fractional question_tokens": (lambda d: d.update(question_tokens=260.5), ("question_tokens", "260.5")),
@@ -349,6 +352,18 @@ def test_profile_loaded_by_name_must_declare_that_dataset(tmp_path):
     (tmp_path / "bbh.toml").write_text(text)
     with pytest.raises(MeshHealError, match="declares dataset = 'math', but is the profile of 'bbh'"):
         topology.load_profile("bbh", tmp_path)
+
+
+def test_a_profile_that_is_not_utf8_is_named(tmp_path):
+    text = (topology.PROFILE_DIR / "bbh.toml").read_text()
+    (tmp_path / "bbh.toml").write_bytes(text.encode() + b"# \xff\n")
+    with pytest.raises(MeshHealError, match="profile .*bbh.toml is not UTF-8 text"):
+        topology.load_profile("bbh", tmp_path)
+
+
+def test_counts_past_what_the_engines_hold_are_refused(bbh_doc):
+    bbh_doc["dataset_id"] = 2**40
+    reject(bbh_doc, "dataset_id must be an integer in 0..2147483647")
 
 
 def test_missing_profiles_folder_is_named(tmp_path):
