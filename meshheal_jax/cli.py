@@ -61,8 +61,8 @@ class CommonFlags:
     """live: the weak server's real model id (default: read from its /v1/models)"""
     live_config: Path | None = None
     """live: a TOML file with any of strong_url, weak_url (lists), strong_model, weak_model (real model ids),
-    strong_served_name, weak_served_name, max_in_flight, max_tokens, data, reasoning_effort, tokenizer
-    (emulated runs) and the tables
+    strong_served_name, weak_served_name, max_in_flight, max_tokens, request_timeout_s, data,
+    reasoning_effort, tokenizer (emulated runs) and the tables
     hub_id, hub_split, hub_config, hub_revision (dataset = value); flags given on the command line win"""
     data: str | None = None
     """the questions: hub (Hugging Face, live's default), sample (the packaged sample) or a folder of
@@ -73,6 +73,9 @@ class CommonFlags:
     folder holding one, or a Hugging Face model id) instead of characters / 4"""
     max_tokens: int | None = None
     """live: cap on every call's max_completion_tokens"""
+    request_timeout_s: float | None = None
+    """live: seconds one HTTP call may take before it is retried (up to 6 retries, then the run stops
+    with an error naming the server); default 900, for long gpt-oss reasoning"""
     reasoning_effort: str | None = None
     """live: the reasoning_effort sent to gpt-oss models (no other model gets one): low | medium | high;
     medium when not given"""
@@ -101,7 +104,7 @@ class CommonFlags:
 
 
 LIVE_KEYS = ("strong_url", "weak_url", "strong_model", "weak_model", "strong_served_name", "weak_served_name",
-             "max_in_flight", "max_tokens", "data", "reasoning_effort", "hub_id", "hub_split", "hub_config",
+             "max_in_flight", "max_tokens", "request_timeout_s", "data", "reasoning_effort", "hub_id", "hub_split", "hub_config",
              "hub_revision", "tokenizer")  # fmt: skip
 # the --hub-* keys: the runner.HubSource field each sets and the placeholder its messages show
 HUB_KEYS = {"hub_id": ("hub_id", "ID"), "hub_split": ("split", "SPLIT"), "hub_config": ("config", "CONFIG"),
@@ -158,10 +161,13 @@ def _live_doc(flags: CommonFlags) -> dict:
                 f"--live-config {flags.live_config}: unknown keys {unknown}; known: {list(LIVE_KEYS)}"
             )
     for key, value in (("strong_url", flags.strong_url), ("weak_url", flags.weak_url), ("data", flags.data),
-                       ("max_tokens", flags.max_tokens), ("strong_model", flags.strong_model),
+                       ("max_tokens", flags.max_tokens), ("request_timeout_s", flags.request_timeout_s),
+                       ("strong_model", flags.strong_model),
                        ("weak_model", flags.weak_model), ("reasoning_effort", flags.reasoning_effort),
                        ("tokenizer", flags.tokenizer)):  # fmt: skip
-        if value or (key in ("max_tokens", "reasoning_effort") and value is not None):  # reach the checks
+        if value or (
+            key in ("max_tokens", "request_timeout_s", "reasoning_effort") and value is not None
+        ):  # reach the checks
             doc[key] = value
     for key, (_, placeholder) in HUB_KEYS.items():  # per dataset: a flag's dataset wins over the file's
         merged = {}
@@ -177,7 +183,12 @@ def _live_doc(flags: CommonFlags) -> dict:
 
 def _settings(doc: dict, flags: CommonFlags):
     from meshheal_jax.data import DATASETS
-    from meshheal_jax.runner import DEFAULT_REASONING_EFFORT, HubSource, LiveSettings
+    from meshheal_jax.runner import (
+        DEFAULT_REASONING_EFFORT,
+        DEFAULT_REQUEST_TIMEOUT_S,
+        HubSource,
+        LiveSettings,
+    )
 
     if not doc:
         return None
@@ -186,6 +197,9 @@ def _settings(doc: dict, flags: CommonFlags):
         value = doc.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise MeshHealError(f"{source}: {key} must be an integer, got {value!r}")
+    timeout = doc.get("request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise MeshHealError(f"{source}: request_timeout_s must be a number of seconds, got {timeout!r}")
     for key in ("strong_model", "weak_model", "strong_served_name", "weak_served_name", "data",
                 "reasoning_effort", "tokenizer"):  # fmt: skip
         if doc.get(key) is not None and not isinstance(doc[key], str):
@@ -202,7 +216,7 @@ def _settings(doc: dict, flags: CommonFlags):
         strong_urls=urls("strong_url"), weak_urls=urls("weak_url"), strong_model=doc.get("strong_model"),
         weak_model=doc.get("weak_model"), strong_served_name=doc.get("strong_served_name"),
         weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 256)),
-        max_tokens=doc.get("max_tokens"), data=str(doc.get("data", "hub")),
+        max_tokens=doc.get("max_tokens"), request_timeout_s=float(timeout), data=str(doc.get("data", "hub")),
         reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT), tokenizer=_tokenizer(doc),
         hub=tuple(HubSource(dataset, **{field: doc.get(key, {}).get(dataset) for key, (field, _) in HUB_KEYS.items()})
                   for dataset in DATASETS if any(dataset in doc.get(key, {}) for key in HUB_KEYS)),

@@ -69,6 +69,7 @@ Stream = tuple[str, str, str, int]  # (method, dataset, pair, seed)
 DATA_SOURCES = ("hub", "sample")  # live questions: the Hugging Face hub, the packaged sample, or a folder
 REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's levels, spelt as the OpenAI API spells them
 DEFAULT_REASONING_EFFORT = "medium"  # spec/live.md (== backends.live.DEFAULT_REASONING_EFFORT, tested)
+DEFAULT_REQUEST_TIMEOUT_S = 900.0  # == backends.live.RetryPolicy's default (tested)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,7 @@ class LiveSettings:
     weak_served_name: str | None = None  # (serving/vllm_pair.sh serves them as "strong" and "weak")
     max_in_flight: int = 256  # per server (serving/vllm_pair.sh's --max-num-seqs)
     max_tokens: int | None = None  # cap on every call's max_completion_tokens (None: live_loop defaults)
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # one HTTP call, before it is retried (RetryPolicy)
     data: str = "hub"  # questions: hub | sample | a folder of local benchmark files
     reasoning_effort: str = DEFAULT_REASONING_EFFORT  # sent to gpt-oss models only (spec/live.md)
     hub: tuple[HubSource, ...] = ()  # --data hub: the datasets not read from load_hub's defaults
@@ -133,6 +135,8 @@ class LiveSettings:
             raise MeshHealError(f"live: max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise MeshHealError(f"live: max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 < self.request_timeout_s < float("inf"):
+            raise MeshHealError(f"live: request_timeout_s must be > 0 seconds, got {self.request_timeout_s}")
         if self.reasoning_effort not in REASONING_EFFORTS:
             raise MeshHealError(f"live: --reasoning-effort (reasoning_effort) must be one of "
                                 f"{', '.join(REASONING_EFFORTS)}, got {self.reasoning_effort!r}")  # fmt: skip
@@ -195,10 +199,11 @@ class LiveSettings:
         return data.load_local(dataset, self.data, profile)
 
     def config(self, cache_path: Path):
-        from meshheal_jax.backends.live import ServerGroup
+        from meshheal_jax.backends.live import RetryPolicy, ServerGroup
         from meshheal_jax.backends.live_loop import LiveConfig
 
         return LiveConfig(
+            retry=RetryPolicy(request_timeout_s=self.request_timeout_s),
             servers=(ServerGroup("strong", self.strong_urls, self.strong_model, self.strong_served_name,
                            max_in_flight=self.max_in_flight, gpt_oss_effort=self.reasoning_effort),
                      ServerGroup("weak", self.weak_urls, self.weak_model, self.weak_served_name,
@@ -596,7 +601,9 @@ def comparable(experiment: dict | None) -> dict | None:
     if not experiment or not experiment.get("live"):
         return experiment
     live = {
-        k: v for k, v in experiment["live"].items() if k not in ("strong_urls", "weak_urls", "max_in_flight")
+        k: v
+        for k, v in experiment["live"].items()
+        if k not in ("strong_urls", "weak_urls", "max_in_flight", "request_timeout_s")
     }
     live.setdefault("reasoning_effort", DEFAULT_REASONING_EFFORT)
     if "hub" not in live:

@@ -168,9 +168,24 @@ def test_recovery_and_runner_accept_the_live_backend():
     # the URLs and in-flight limit do not change results: a resumed run may use other servers
     a = runner.comparable(json.loads(json.dumps(exp.to_json())))
     moved = runner.Experiment(
-        **{**exp.__dict__, "live": runner.LiveSettings(("http://z/v1",), ("http://y/v1",), data="sample")}
-    )
+        **{**exp.__dict__, "live": runner.LiveSettings(("http://z/v1",), ("http://y/v1",), data="sample",
+                                                        request_timeout_s=60.0)}
+    )  # fmt: skip
     assert runner.comparable(json.loads(json.dumps(moved.to_json()))) == a
+
+
+def test_request_timeout_reaches_the_client_and_is_checked():
+    """--request-timeout-s (or the live config's request_timeout_s) is each HTTP call's timeout."""
+    live_args = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "http://b/v1"]
+
+    def settings(*args: str) -> runner.LiveSettings:
+        return live_settings(tyro.cli(main.MainConfig, args=[*live_args, *args]))
+
+    assert settings("--request-timeout-s", "45").config(None).retry.request_timeout_s == 45.0
+    assert settings().request_timeout_s == 900.0
+    bad = settings("--request-timeout-s", "0")
+    with pytest.raises(MeshHealError, match="request_timeout_s must be > 0 seconds, got 0.0"):
+        bad.validate()
 
 
 def test_single_reviewer_writes_its_correction_itself(tmp_path):
@@ -226,6 +241,7 @@ def test_server_groups_send_the_effort_to_gpt_oss_models_only(effort):
         assert group.effort_for("google/gemma-3-4b-it") is None
     # the default sends what ServerGroup's own default ("auto") sends: cached replies keep their keys
     assert runner.DEFAULT_REASONING_EFFORT == live.DEFAULT_REASONING_EFFORT == "medium"
+    assert runner.DEFAULT_REQUEST_TIMEOUT_S == live.RetryPolicy().request_timeout_s
     default = runner.LiveSettings(("http://a/v1",), ("http://b/v1",)).config(None).servers[0]
     auto = live.ServerGroup("strong", ("http://a/v1",))
     for model in ("openai/gpt-oss-120b", "meta-llama/Llama-3.2-1B-Instruct"):
