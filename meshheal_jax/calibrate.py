@@ -972,6 +972,13 @@ def calibrate(run_dirs: Sequence[Path], out: Path, base_dir: Path | None = None,
         raise MeshHealError(f"--bootstrap must be >= 1, got {n_boot}")
     if not 0.0 < level < 1.0:
         raise MeshHealError(f"--level must be in (0, 1), got {level}")
+    if min_n < 0:
+        raise MeshHealError(f"--min-n must be >= 0, got {min_n}")
+    given = [Path(d).resolve() for d in run_dirs]
+    if len(set(given)) != len(given):  # a run counted twice would narrow every interval
+        raise MeshHealError(f"run folders must be distinct, got {[str(d) for d in run_dirs]}")
+    if (Path(out) / "config.json").exists():
+        raise MeshHealError(f"--out {out} is a run folder; write the twin to a folder of its own")
     base_dir = Path(base_dir) if base_dir is not None else MODEL_DIR
     if not base_dir.is_dir():
         raise MeshHealError(f"--base-params-dir {base_dir} is not a folder")

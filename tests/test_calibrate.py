@@ -209,6 +209,12 @@ def test_other_bad_input(trip, tmp_path):
         C.calibrate([run], tmp_path / "fit")
     with pytest.raises(MeshHealError, match="not empty"):
         C.roundtrip(out)
+    with pytest.raises(MeshHealError, match="run folders must be distinct"):
+        C.calibrate([out / "traced", out / "traced" / ".." / "traced"], tmp_path / "fit")
+    with pytest.raises(MeshHealError, match="--min-n must be >= 0, got -1"):
+        C.calibrate([out / "traced"], tmp_path / "fit", min_n=-1)
+    with pytest.raises(MeshHealError, match="is a run folder"):
+        C.calibrate([out / "traced"], out / "traced")
 
 
 def test_cli_flags():

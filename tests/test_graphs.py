@@ -443,6 +443,11 @@ def test_load_missing_file(tmp_path):
         graphs.load_edge_list(tmp_path / "nope.csv", 6)
 
 
+def test_load_an_edge_list_with_a_byte_order_mark(tmp_path):
+    (tmp_path / "excel.csv").write_bytes("source,target\n0,1\n1,2\n".encode("utf-8-sig"))
+    assert graphs.load_edge_list(tmp_path / "excel.csv", 6).tolist() == [[0, 1], [1, 2]]
+
+
 def test_load_an_edge_list_that_is_not_utf8(tmp_path):
     (tmp_path / "latin1.csv").write_bytes("0,1\n1,2 # caf\xe9\n".encode("latin-1"))
     with pytest.raises(
