@@ -36,11 +36,12 @@ import numpy as np
 import polars as pl
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S
+from meshheal_jax.errors import MeshHealWarning
 
 STATE = "state.json"
 
 
-class CheckpointWarning(UserWarning):
+class CheckpointWarning(MeshHealWarning):
     """A stream's checkpoint could not be used; the stream runs from its first task."""
 
 

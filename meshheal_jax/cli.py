@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
-from meshheal_jax.errors import MeshHealError, read_text
+from meshheal_jax.errors import MeshHealError, MeshHealWarning, read_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +255,7 @@ def backend_fields(flags: CommonFlags) -> dict:
 def _warning_line(message, category, filename, lineno, line=None) -> str:
     """The project's own warnings as one line (`warning: ...`), as its errors are; others as Python
     formats them."""
-    from meshheal_jax.data import QuestionPoolWarning
-    from meshheal_jax.runner import DamagedPartWarning, PhaseMixWarning
-
-    if issubclass(category, (PhaseMixWarning, QuestionPoolWarning, DamagedPartWarning)):
+    if issubclass(category, MeshHealWarning):
         return f"warning: {message}\n"
     return _PYTHON_FORMATWARNING(message, category, filename, lineno, line)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshheal_jax.errors import MeshHealError, read_text
+from meshheal_jax.errors import MeshHealError, MeshHealWarning, read_text
 from meshheal_jax.topology import Profile, load_profile
 
 DATASETS = ("bbh", "math", "mmlu_pro")
@@ -497,7 +497,7 @@ def question_pool(records: Iterable[Record], task_types: Sequence[str]) -> tuple
     return tuple(tuple(p) for p in pools)
 
 
-class QuestionPoolWarning(UserWarning):
+class QuestionPoolWarning(MeshHealWarning):
     """A stream needs more questions of a type than the pool holds: drawn with replacement."""
 
 

@@ -8,6 +8,10 @@ class MeshHealError(ValueError):
     """Bad input named precisely: a profile, graph, schedule, config or data problem."""
 
 
+class MeshHealWarning(UserWarning):
+    """The project's own warnings (a CLI prints each as one `warning: ...` line)."""
+
+
 class Cancelled(Exception):
     """A run stopped on request from another thread (the runner's Ctrl-C), not an input problem."""
 

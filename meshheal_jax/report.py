@@ -84,6 +84,11 @@ def load_run(run_dir: Path | str) -> RunFolder:
     if not run_dir.is_dir():
         raise MeshHealError(f"{run_dir} is not a folder")
     if not (run_dir / "config.json").is_file():
+        inside = sorted(d.name for d in run_dir.iterdir() if (d / "config.json").is_file())
+        if inside:  # scale, ablate, detectors: one run folder per arm under their --out
+            raise MeshHealError(
+                f"{run_dir} holds run folders, not one: give one of {inside} (e.g. {run_dir / inside[0]})"
+            )
         raise MeshHealError(f"{run_dir} is not a run folder (no config.json)")
     config = _read_json(run_dir / "config.json", "the run's configuration")
     if not isinstance(config, dict) or not config.get(runner.RUN_MARKER):

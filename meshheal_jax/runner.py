@@ -44,7 +44,7 @@ from meshheal_jax.data import (
     question_pool,
     question_tokens,
 )
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
     BLOCK_PER_TYPE,
@@ -220,7 +220,7 @@ class LiveSettings:
         )
 
 
-class PhaseMixWarning(UserWarning):
+class PhaseMixWarning(MeshHealWarning):
     """A stream length whose phases are not whole balanced blocks: the phases' type mixes differ."""
 
 
@@ -817,7 +817,7 @@ def _flush(path: Path) -> None:
         os.close(fd)
 
 
-class DamagedPartWarning(UserWarning):
+class DamagedPartWarning(MeshHealWarning):
     """A finished stream's part that cannot be read back: it is removed and the stream runs again."""
 
 

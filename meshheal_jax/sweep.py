@@ -617,7 +617,9 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
 def prepare_out(out: Path | None) -> Path:
     if out is None:
         out = Path("runs") / f"sweep-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise MeshHealError(f"output path {out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()):
         raise MeshHealError(
             f"output folder {out} exists and is not empty (a sweep does not resume); choose another --out"
         )

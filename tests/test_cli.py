@@ -513,6 +513,17 @@ def test_the_cli_prints_a_phase_mix_warning_as_one_line(tmp_path):
     assert "runner.py" not in proc.stderr
 
 
+def test_every_warning_of_the_project_prints_as_one_line():
+    from meshheal_jax import cli as cli_module
+    from meshheal_jax.checkpoints import CheckpointWarning
+    from meshheal_jax.data import QuestionPoolWarning
+    from meshheal_jax.runner import DamagedPartWarning, PhaseMixWarning
+
+    for kind in (PhaseMixWarning, QuestionPoolWarning, DamagedPartWarning, CheckpointWarning):
+        assert cli_module._warning_line("what happened", kind, "engine.py", 9) == "warning: what happened\n"
+    assert cli_module._warning_line("other", UserWarning, "x.py", 9).startswith("x.py:9: UserWarning")
+
+
 def test_phases_of_unequal_type_mix_are_warned():
     """spec/experiments.md: the two phases have the same type mix. 126 tasks split 63 / 63, not whole
     blocks of 42: allowed (short runs), with a warning; 504 and 84 are whole blocks."""

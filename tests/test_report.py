@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -362,6 +363,11 @@ def test_cli_missing_folder_exits_2(tmp_path):
 def test_cli_rejects_folders_that_are_not_finished_runs(tmp_path, main_run):
     with pytest.raises(MeshHealError, match="no config.json"):
         report.write_report(tmp_path)
+    (tmp_path / "full").mkdir()  # scale / ablate / detectors: one run folder per arm
+    (tmp_path / "full" / "config.json").write_text("{}")
+    with pytest.raises(MeshHealError, match=r"holds run folders, not one: give one of \['full'\]"):
+        report.write_report(tmp_path)
+    shutil.rmtree(tmp_path / "full")
     (tmp_path / "config.json").write_text('{"experiment": {}}')
     with pytest.raises(MeshHealError, match="not a run folder"):
         report.write_report(tmp_path)

@@ -200,3 +200,15 @@ def test_bad_grids_exit_2(tmp_path, monkeypatch, capsys, args, words):
     for word in words:
         assert word in line, line
     assert not (tmp_path / "run").exists()  # rejected before anything is written
+
+
+def test_out_must_be_a_new_or_empty_folder(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("precious")
+    with pytest.raises(MeshHealError, match=f"output path {a_file} exists and is not a folder"):
+        sweep.prepare_out(a_file)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    with pytest.raises(MeshHealError, match="exists and is not empty .a sweep does not resume"):
+        sweep.prepare_out(tmp_path / "used")
+    assert sweep.prepare_out(tmp_path / "new").is_dir() and a_file.read_text() == "precious"
