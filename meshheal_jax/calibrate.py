@@ -965,15 +965,19 @@ def print_fit(result: Fit, level: float = 0.95) -> None:
     print_table(table)
 
 
-def calibrate(run_dirs: Sequence[Path], out: Path, base_dir: Path | None = None, n_boot: int = 200, seed: int = 0,
-              min_n: int = 20, per_type: bool = False, level: float = 0.95) -> tuple[Fit, dict]:  # fmt: skip
-    """Read, fit and write the twin into `out`; returns the fit and the calibration document."""
+def check_fit_settings(n_boot: int, min_n: int, level: float) -> None:
     if n_boot < 1:
         raise MeshHealError(f"--bootstrap must be >= 1, got {n_boot}")
     if not 0.0 < level < 1.0:
         raise MeshHealError(f"--level must be in (0, 1), got {level}")
     if min_n < 0:
         raise MeshHealError(f"--min-n must be >= 0, got {min_n}")
+
+
+def calibrate(run_dirs: Sequence[Path], out: Path, base_dir: Path | None = None, n_boot: int = 200, seed: int = 0,
+              min_n: int = 20, per_type: bool = False, level: float = 0.95) -> tuple[Fit, dict]:  # fmt: skip
+    """Read, fit and write the twin into `out`; returns the fit and the calibration document."""
+    check_fit_settings(n_boot, min_n, level)
     given = [Path(d).resolve() for d in run_dirs]
     if len(set(given)) != len(given):  # a run counted twice would narrow every interval
         raise MeshHealError(f"run folders must be distinct, got {[str(d) for d in run_dirs]}")
@@ -1067,6 +1071,7 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
     from meshheal_jax import runner  # the JAX engine only when a round trip is asked for
 
     out = Path(out)
+    check_fit_settings(n_boot, min_n, level)  # before anything is written
     if out.exists() and any(out.iterdir()):
         raise MeshHealError(f"round-trip folder {out} exists and is not empty; choose a new --out")
     started = time.perf_counter()
@@ -1191,7 +1196,7 @@ def body(cfg: CalibrateConfig) -> None:
 
 
 def cli() -> None:
-    entrypoint(CalibrateConfig, body, __doc__)
+    entrypoint(CalibrateConfig, body, __doc__, "stopped (a --roundtrip reruns into a new --out)")
 
 
 if __name__ == "__main__":

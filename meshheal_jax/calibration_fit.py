@@ -472,7 +472,13 @@ def body(cfg: FitConfig) -> None:
 
 
 def cli() -> None:
-    entrypoint(FitConfig, body, __doc__)
+    entrypoint(
+        FitConfig,
+        body,
+        __doc__,
+        "stopped: finished generations are kept in --out (runs/calibration-fit "
+        "if you gave none); rerun the same command to resume",
+    )
 
 
 if __name__ == "__main__":

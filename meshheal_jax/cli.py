@@ -263,10 +263,11 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
 _PYTHON_FORMATWARNING = warnings.formatwarning
 
 
-def entrypoint(config_type: type, body: Callable, description: str) -> None:
+def entrypoint(config_type: type, body: Callable, description: str, stopped: str | None = None) -> None:
     """Parse flags, run body(config); the project's warnings print one line each. A MeshHealError
     (bad input) prints one line and exits with status 2; an OSError (a folder that cannot be made,
-    a full disk) one line naming the file, status 1; Ctrl-C one line saying what is kept, status 130."""
+    a full disk) one line naming the file, status 1; Ctrl-C one line saying what is kept (`stopped`,
+    default STOPPED, what an experiment's run folder keeps), status 130."""
     warnings.formatwarning = _warning_line
     try:
         config = tyro.cli(config_type, description=description)
@@ -278,13 +279,12 @@ def entrypoint(config_type: type, body: Callable, description: str) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print(STOPPED, file=sys.stderr)
+        print(stopped or STOPPED, file=sys.stderr)
         sys.exit(130)
 
 
-STOPPED = ("stopped: what finished (streams, MeshHeal's checkpoints, fit generations) is kept in the output "
-           "folder; rerun the same command with --out set to it (runs/<experiment>-<time> if you gave none) to "
-           "resume (a sweep does not resume)")  # fmt: skip
+STOPPED = ("stopped: finished streams and MeshHeal's checkpoints are kept in the run folder; rerun the same "
+           "command with --out set to it (runs/<experiment>-<time> if you gave none) to resume")  # fmt: skip
 
 
 def fmt(s: dict | None, digits: int = 3, scale: float = 1.0) -> str:

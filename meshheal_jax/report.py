@@ -709,7 +709,7 @@ def body(cfg: ReportConfig) -> None:
 
 
 def cli() -> None:
-    entrypoint(ReportConfig, body, __doc__)
+    entrypoint(ReportConfig, body, __doc__, "stopped")
 
 
 if __name__ == "__main__":

@@ -220,6 +220,10 @@ class LiveSettings:
         )
 
 
+class ProfileIdWarning(MeshHealWarning):
+    """Datasets of one run whose profiles share a dataset_id: their streams draw the same numbers."""
+
+
 class PhaseMixWarning(MeshHealWarning):
     """A stream length whose phases are not whole balanced blocks: the phases' type mixes differ."""
 
@@ -244,9 +248,9 @@ def check_names(what: str, names: Sequence[str]) -> None:
     if len(set(names)) != len(names):
         raise MeshHealError(f"{what} must be distinct, got {list(names)}")
     for name in names:
-        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", name):
             raise MeshHealError(
-                f"{what}: {name!r} is not a name (letters, digits, _ . -); a profile of your own goes in "
+                f"{what}: {name!r} is not a name (letters, digits, _ -); a profile of your own goes in "
                 "--profiles-dir DIR as DIR/<dataset>.toml"
             )
 
@@ -346,10 +350,10 @@ class Experiment:
         profiles = [load_profile(dataset, self.profiles_dir) for dataset in self.datasets]
         ids = [profile.dataset_id for profile in profiles]
         if len(set(ids)) != len(ids):  # a task's draws are keyed by (seed, dataset_id, t)
-            raise MeshHealError(
-                f"the profiles' dataset_id must be distinct (each keys its tasks' draws), got "
-                f"{dict(zip(self.datasets, ids))}"
-            )
+            warnings.warn(ProfileIdWarning(
+                f"profiles share a dataset_id ({dict(zip(self.datasets, ids))}): their streams draw the same "
+                "numbers (common random numbers: fine for comparing an edited profile with its original)"
+            ), stacklevel=2)  # fmt: skip
         for pair in self.pairs:  # every model file has a p_part for every dataset's task types
             loaded = load_pair(pair, self.params_dir)
             if (
@@ -823,17 +827,22 @@ class DamagedPartWarning(MeshHealWarning):
 
 def _finished(part: Path, tables: Sequence[str]) -> bool:
     """Whether a stream's part is there and every table file of it is readable parquet (its footer:
-    a file cut short has none). One that is not is removed, with a warning, so its stream reruns
-    (the same records: a stream is a pure function of its settings)."""
+    a file cut short has none). One with a table missing or unreadable as parquet is set aside as
+    `<part>.damaged` (replacing an older one), with a warning, so its stream runs again (the same
+    records: a stream is a pure function of its settings); any other error (the disk, permissions)
+    is raised, leaving the part as it is."""
     if not part.exists():
         return False
     try:
         for table in tables:
             pl.read_parquet_schema(part / f"{table}.parquet")
-    except Exception as err:  # noqa: BLE001 -- polars raises several kinds for a damaged file
+    except (FileNotFoundError, pl.exceptions.PolarsError) as err:
+        kept = part.with_name(part.name + ".damaged")
+        shutil.rmtree(kept, ignore_errors=True)
+        part.rename(kept)
         warnings.warn(DamagedPartWarning(f"finished stream {part} is damaged ({type(err).__name__}: "
-                                         f"{str(err)[:200]}); removed, its stream runs again"), stacklevel=2)  # fmt: skip
-        shutil.rmtree(part)
+                                         f"{str(err)[:200]}); set aside as {kept.name}, its stream runs again"),
+                      stacklevel=2)  # fmt: skip
         return False
     return True
 

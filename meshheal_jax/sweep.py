@@ -200,8 +200,8 @@ def _show(value) -> str:
 def _with_scalar(pair: Pair, name: str, value: float) -> Pair:
     model_name, _, scalar = name.partition(".")
     model = getattr(pair, model_name)
-    if scalar in DIFFICULTY and not value >= 0.0:
-        raise MeshHealError(f"{name} must be >= 0, got {value}")
+    if scalar in DIFFICULTY and not 0.0 <= value < float("inf"):
+        raise MeshHealError(f"{name} must be finite and >= 0, got {value}")
     if scalar not in DIFFICULTY and not 0.0 <= value <= 1.0:
         raise MeshHealError(f"{name} must be a probability in [0, 1], got {value}")
     return dataclasses.replace(
@@ -798,7 +798,7 @@ def body(cfg: SweepConfig) -> None:
 
 
 def cli() -> None:
-    entrypoint(SweepConfig, body, __doc__)
+    entrypoint(SweepConfig, body, __doc__, "stopped: a sweep does not resume; rerun it with a new --out")
 
 
 if __name__ == "__main__":

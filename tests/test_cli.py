@@ -19,7 +19,14 @@ import tyro
 from meshheal_jax import metrics, params, topology
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.runner import DamagedPartWarning, Experiment, _finished, input_digests, prepare_run_dir
+from meshheal_jax.runner import (
+    DamagedPartWarning,
+    Experiment,
+    ProfileIdWarning,
+    _finished,
+    input_digests,
+    prepare_run_dir,
+)
 from meshheal_jax.streams import RECOVERY_PHASES
 
 TABLES = ("tasks", "reviews", "states", "calls")
@@ -380,14 +387,20 @@ def two_profiles_one_id(root: Path) -> Path:
     [({"pairs": ("A", "A")}, "pairs must be distinct, got ['A', 'A']"),
      ({"pairs": ()}, "no pairs given"),
      ({"graph_seed": -1}, "--graph-seed must be in 0..2**63-1, got -1"),
-     ({"datasets": ("bbh", "math"), "profiles_dir": "<clash>"}, "the profiles' dataset_id must be distinct")],
+     ({"datasets": ("bbh.toml",)}, "'bbh.toml' is not a name")],
 )  # fmt: skip
 def test_run_settings_refused_before_anything_is_written(changes, message, tmp_path):
-    if changes.get("profiles_dir") == "<clash>":
-        changes = {**changes, "profiles_dir": two_profiles_one_id(tmp_path)}
+    """Experiment.validate, which runner.run calls before it makes the run folder."""
     exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=84)
     with pytest.raises(MeshHealError, match=re.escape(message)):
         dataclasses.replace(exp, **changes).validate()
+
+
+def test_profiles_sharing_a_dataset_id_are_warned_of(tmp_path):
+    exp = Experiment(name="main", datasets=("bbh", "math"), pairs=("default",), seeds=(0,), n_tasks=84,
+                     profiles_dir=two_profiles_one_id(tmp_path))  # fmt: skip
+    with pytest.warns(ProfileIdWarning, match="their streams draw the same numbers"):
+        exp.validate()
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, NotADirectoryError])
@@ -429,9 +442,12 @@ def test_a_damaged_finished_stream_runs_again(main_run, tmp_path):
     for name, df in read_frames(copy).items():
         assert df.equals(read_frames(out)[name], null_equal=True), name
     (part / "calls.parquet").unlink()  # a table missing: the same, without a second run here
-    with pytest.warns(DamagedPartWarning, match="FileNotFoundError"):
+    with pytest.warns(
+        DamagedPartWarning, match="FileNotFoundError.*set aside as meshheal-math-default-seed0.damaged"
+    ):
         assert not _finished(part, TABLES)
-    assert not part.exists() and _finished(out / "parts" / part.name, TABLES)
+    assert not part.exists() and (part.parent / f"{part.name}.damaged" / "tasks.parquet").exists()
+    assert _finished(out / "parts" / part.name, TABLES)
 
 
 COMMANDS = ("main", "recovery", "scale", "sweep", "ablate", "detectors", "calibration_report", "calibrate",

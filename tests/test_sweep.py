@@ -185,6 +185,8 @@ def test_static_parameter_exits_2_naming_the_static_ones(tmp_path):
         (("--grid", "gamma=1,2"), ("unknown sweep parameter", "alpha")),
         (("--grid", "cusum_h=0.5,1.0"), ("not read by the relative detector",)),
         (("--grid", "weak.p_fix=0.5,1.5"), ("probability",)),
+        (("--grid", "strong.difficulty_spread=0,inf"), ("must be finite and >= 0, got inf",)),
+        (("--grid", "beta=2.0,inf"), ("beta must be finite, got inf",)),
         ((), ("nothing to sweep",)),
         (("--grid", "alpha=1.0,1.2", "--engine", "reference"), ("only --engine jax",)),
     ],
