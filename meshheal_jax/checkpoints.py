@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import time
 import warnings
@@ -37,6 +36,7 @@ import polars as pl
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S
 from meshheal_jax.errors import MeshHealWarning
+from meshheal_jax.files import flush
 
 STATE = "state.json"
 
@@ -129,19 +129,10 @@ class Checkpoints:
         tmp = folder / (STATE + ".tmp")
         tmp.write_text(json.dumps(state))
         for path in (*written, tmp):
-            _flush(path)
+            flush(path)
         tmp.replace(folder / STATE)  # the commit
-        _flush(folder)
+        flush(folder)
         (folder / f"carry-{saved:05d}.npz").unlink(missing_ok=True)
-
-
-def _flush(path: Path) -> None:
-    """Make a file's contents (or a folder's entries) durable before the commit that names them."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _counted(name: str, saved: int) -> bool:

@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
-from meshheal_jax.errors import MeshHealError, MeshHealWarning, read_text
+from meshheal_jax.errors import MeshHealError, MeshHealWarning
+from meshheal_jax.files import read_text
 
 
 @dataclasses.dataclass(frozen=True)

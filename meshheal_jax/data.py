@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshheal_jax.errors import MeshHealError, MeshHealWarning, read_text
+from meshheal_jax.errors import MeshHealError, MeshHealWarning
+from meshheal_jax.files import read_text
 from meshheal_jax.topology import Profile, load_profile
 
 DATASETS = ("bbh", "math", "mmlu_pro")

@@ -58,7 +58,8 @@ import numpy as np
 import scipy.sparse
 import scipy.sparse.csgraph
 
-from meshheal_jax.errors import MeshHealError, read_text
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.files import read_text
 
 BASE_AGENTS = 6  # agents per replica of a profile (spec/abilities.md "Larger networks")
 HOP_LIMIT = 3  # one hop of slack under the routing limit of 4

@@ -14,7 +14,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from meshheal_jax.errors import MeshHealError, read_text
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.files import read_text
 from meshheal_jax.streams import DIFFICULTY_BINS
 from meshheal_jax.topology import MAX_TOKENS, Profile, unknown_keys, whole_number
 

@@ -19,7 +19,6 @@ import functools
 import hashlib
 import importlib.metadata
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -45,6 +44,7 @@ from meshheal_jax.data import (
     question_tokens,
 )
 from meshheal_jax.errors import MeshHealError, MeshHealWarning
+from meshheal_jax.files import flush
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
     BLOCK_PER_TYPE,
@@ -807,18 +807,9 @@ def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
     tmp.mkdir(parents=True)
     _write_tables(tmp, frames)
     for path in (*tmp.iterdir(), tmp):
-        _flush(path)
+        flush(path)
     tmp.rename(part)
-    _flush(part.parent)
-
-
-def _flush(path: Path) -> None:
-    """Make a file's contents (or a folder's entries) durable (checkpoints.py flushes its own the same way)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    flush(part.parent)
 
 
 class DamagedPartWarning(MeshHealWarning):

@@ -17,7 +17,8 @@ import numpy as np
 import scipy.sparse.csgraph
 
 from meshheal_jax import graphs
-from meshheal_jax.errors import MeshHealError, read_text
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.files import read_text
 from meshheal_jax.graphs import complete_edges, edges_from_adjacency, neighbour_table
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
