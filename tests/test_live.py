@@ -382,6 +382,20 @@ def test_a_cancelled_or_abandoned_batch_does_not_keep_the_collector_paused():
     assert run(scenario()) == [False, True, False, True, True]
 
 
+def test_a_stalled_round_says_where_it_waits(capsys):
+    async def scenario() -> None:
+        async with ScriptedServer(delay_s=0.7) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY, stall_notice_s=0.25) as client:
+                responses = await client.run_batch([gen_request(i) for i in range(3)])
+            assert len(responses) == 3
+            notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("live: ")]
+            assert notices and notices[0].startswith("live: a round of 3 calls still waiting after 0 s (3 at "
+                                                     f"{server.base_url})"), notices  # fmt: skip
+            assert "each attempt may take 10 s (--request-timeout-s)" in notices[0]
+
+    run(scenario())
+
+
 def test_round_robin_over_two_urls():
     async def scenario():
         async with ScriptedServer() as one, ScriptedServer() as two:

@@ -57,6 +57,7 @@ import json
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -493,6 +494,9 @@ async def _all_settled(sends) -> list:
     return results
 
 
+STALL_NOTICE_S = 60.0  # a round's calls outstanding this long: one line on stderr, then every as long
+
+
 class LiveClient:
     """Async client of the strong and weak servers. Use `async with`, or `start()`/`aclose()`."""
 
@@ -503,8 +507,10 @@ class LiveClient:
         retry: RetryPolicy = RetryPolicy(),
         api_key: str | None = None,
         pause_gc: bool = True,
+        stall_notice_s: float = STALL_NOTICE_S,
     ) -> None:
         self.pause_gc = pause_gc
+        self.stall_notice_s = stall_notice_s
         self._gc_held: set[object] = set()  # this client's batches holding the collector paused
         self.groups: dict[str, ServerGroup] = {}
         for group in servers:
@@ -653,8 +659,9 @@ class LiveClient:
         if missing:
             raise MeshHealError(f"live backend: no server configured for role(s) {sorted(missing)}")
         with gc_paused(self.pause_gc, self._gc_held):
+            gathered = asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
             try:
-                results = await asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
+                results = await self._noting_stalls(gathered, len(requests))
             finally:
                 if self.cache is not None:
                     self.cache.flush()
@@ -672,6 +679,24 @@ class LiveClient:
         raise type(first)(
             f"{first} [{len(failures)} of {len(requests)} calls of this round failed; {kept}]"
         ) from first
+
+    async def _noting_stalls(self, gathered: asyncio.Future, n: int) -> list:
+        """`gathered`'s results; while its calls are outstanding, a line on stderr every
+        stall_notice_s saying where they wait (a server that accepts calls but never answers would
+        otherwise keep a run silent for request_timeout_s x attempts)."""
+        started = time.perf_counter()
+        try:
+            while not (await asyncio.wait({gathered}, timeout=self.stall_notice_s))[0]:
+                where = ", ".join(
+                    f"{s.in_flight} at {s.base_url}" for s in self.server_stats() if s.in_flight
+                )
+                print(f"live: a round of {n} calls still waiting after {time.perf_counter() - started:.0f} s "
+                      f"({where or 'between retries'}); each attempt may take {self.retry.request_timeout_s:g} s "
+                      "(--request-timeout-s)", file=sys.stderr, flush=True)  # fmt: skip
+        except asyncio.CancelledError:
+            gathered.cancel()  # as awaiting the gather itself would
+            raise
+        return gathered.result()
 
     async def _complete(self, request: CallRequest) -> CallResponse:
         model_id = self.model_ids[request.role]
