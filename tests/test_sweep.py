@@ -156,7 +156,7 @@ def test_question_difficulty_is_sweepable_and_reaches_the_parameters():
         np.diff(spread) < 0
     )  # 0: every bin alike; 1.5: harder bins lower
     sweep.check_effect(grid, batch, params)
-    with pytest.raises(MeshHealError, match="weak.review_difficulty must be >= 0"):
+    with pytest.raises(MeshHealError, match="weak.review_difficulty must be finite and >= 0"):
         sweep.grid_points(
             sweep.parse_grid(["weak.review_difficulty=-1,1"]), ProtocolParams(), load_pair("default")
         )
