@@ -97,7 +97,7 @@ def print_summary(summary: dict) -> None:
             fmt(r["missed"], 1), f"{fmt(r['false_isolations'], 1)} ({fmt(r.get('false_isolated_agents'), 1)})",
             detection_cell(r),
             f"{fmt(r['tokens_per_task_healthy'], 1, 1e-3)} / {fmt(r['tokens_per_task_degraded'], 1, 1e-3)}",
-            f"{r['wall_s']:.1f}",
+            f"{r['wall_s']:.1f}" + (" (resumed)" if r.get("resumed") else ""),
         )  # fmt: skip
     print_table(table)
     if any((r.get("onset_detections") or {}).get("mean") for r in summary["results"]):
@@ -112,12 +112,13 @@ def body(cfg: ScaleConfig) -> None:
     results, engine, backend, slots = [], None, None, None
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
+        resumed = (out / topology / "config.json").exists()  # wall_s is then this run's part only
         start = time.perf_counter()
         run = runner.run(exp, out / topology, progress=not cfg.quiet, **cfg.run_options())
         wall = time.perf_counter() - start
         engine, backend, slots = run.summary["engine"], run.summary["backend"], run.summary["slots"]
         for r in run.summary["results"]:
-            results.append({**r, "run_dir": str(run.run_dir), "wall_s": wall})
+            results.append({**r, "run_dir": str(run.run_dir), "wall_s": wall, "resumed": resumed})
     summary = {"experiment": "scale", "engine": engine, "backend": backend, "slots": slots,
                "n_agents": cfg.agents, "results": results}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

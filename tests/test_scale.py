@@ -111,7 +111,7 @@ def bbh_graph() -> tuple[topology.Profile, np.ndarray, np.ndarray, np.ndarray]:
 
 def numbers(result: dict) -> dict:
     """A result without what legitimately differs between two runs of the same streams."""
-    return {k: v for k, v in result.items() if k not in ("wall_s", "run_dir")}
+    return {k: v for k, v in result.items() if k not in ("wall_s", "run_dir", "resumed")}
 
 
 def file_snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -207,6 +207,16 @@ def test_parent_summary_has_one_result_with_every_key(jax_run):
     own = json.loads((jax_run["out"] / "sparse" / "summary.json").read_text())
     assert own["results"][0] == numbers(result)
     assert own["n_tasks"] == N_TASKS
+    assert result["resumed"] is False
+
+
+def test_a_rerun_says_its_wall_time_is_a_resume(jax_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(jax_run["out"], out)
+    printed = run_body(parse(*JAX_ARGS, "--out", str(out)))
+    again = json.loads((out / "summary.json").read_text())["results"][0]
+    assert again["resumed"] is True and "(resumed)" in printed
+    assert numbers(again) == numbers(jax_run["summary"]["results"][0])
 
 
 def test_slots_default_to_one_task_per_six_agents(jax_run):
