@@ -264,11 +264,15 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
 _PYTHON_FORMATWARNING = warnings.formatwarning
 
 
-def entrypoint(config_type: type, body: Callable, description: str, stopped: str | None = None) -> None:
+STOPPED = ("stopped: finished streams and MeshHeal's checkpoints are kept in the run folder; rerun the same "
+           "command with --out set to it (runs/<experiment>-<time> if you gave none) to resume")  # fmt: skip
+
+
+def entrypoint(config_type: type, body: Callable, description: str, stopped: str = STOPPED) -> None:
     """Parse flags, run body(config); the project's warnings print one line each. A MeshHealError
     (bad input) prints one line and exits with status 2; an OSError (a folder that cannot be made,
-    a full disk) one line naming the file, status 1; Ctrl-C one line saying what is kept (`stopped`,
-    default STOPPED, what an experiment's run folder keeps), status 130."""
+    a full disk) one line naming the file, status 1; Ctrl-C one line saying what is kept (`stopped`:
+    by default what an experiment's run folder keeps), status 130."""
     warnings.formatwarning = _warning_line
     try:
         config = tyro.cli(config_type, description=description)
@@ -280,12 +284,8 @@ def entrypoint(config_type: type, body: Callable, description: str, stopped: str
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print(stopped or STOPPED, file=sys.stderr)
+        print(stopped, file=sys.stderr)
         sys.exit(130)
-
-
-STOPPED = ("stopped: finished streams and MeshHeal's checkpoints are kept in the run folder; rerun the same "
-           "command with --out set to it (runs/<experiment>-<time> if you gave none) to resume")  # fmt: skip
 
 
 def fmt(s: dict | None, digits: int = 3, scale: float = 1.0) -> str:

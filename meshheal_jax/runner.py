@@ -813,10 +813,10 @@ def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:
 
 
 class DamagedPartWarning(MeshHealWarning):
-    """A finished stream's part that cannot be read back: it is removed and the stream runs again."""
+    """A finished stream's part that cannot be read back: it is set aside and the stream runs again."""
 
 
-def _finished(part: Path, tables: Sequence[str]) -> bool:
+def _part_readable(part: Path, tables: Sequence[str]) -> bool:
     """Whether a stream's part is there and every table file of it is readable parquet (its footer:
     a file cut short has none). One with a table missing or unreadable as parquet is set aside as
     `<part>.damaged` (replacing an older one), with a warning, so its stream runs again (the same
@@ -872,7 +872,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     if not checkpoint_every >= 0:
         raise MeshHealError(f"--checkpoint-every must be >= 0 seconds, got {checkpoint_every}")
     run_dir = prepare_run_dir(exp, out)
-    todo = [s for s in exp.streams() if not _finished(_part_dir(run_dir, *s), exp.tables)]
+    todo = [s for s in exp.streams() if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
@@ -932,7 +932,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
         path = _part_dir(run_dir, *stream) / f"{name}.parquet"
         try:
             return pl.read_parquet(path)
-        except Exception as err:  # noqa: BLE001 -- damaged inside, past the footer _finished reads
+        except Exception as err:  # noqa: BLE001 -- damaged inside, past the footer _part_readable reads
             raise MeshHealError(f"finished stream {path.parent} is damaged ({type(err).__name__}: "
                                 f"{str(err)[:200]}); delete that folder and rerun to run its stream again") from None  # fmt: skip
 

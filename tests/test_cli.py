@@ -23,7 +23,7 @@ from meshheal_jax.runner import (
     DamagedPartWarning,
     Experiment,
     ProfileIdWarning,
-    _finished,
+    _part_readable,
     input_digests,
     prepare_run_dir,
 )
@@ -445,9 +445,9 @@ def test_a_damaged_finished_stream_runs_again(main_run, tmp_path):
     with pytest.warns(
         DamagedPartWarning, match="FileNotFoundError.*set aside as meshheal-math-default-seed0.damaged"
     ):
-        assert not _finished(part, TABLES)
+        assert not _part_readable(part, TABLES)
     assert not part.exists() and (part.parent / f"{part.name}.damaged" / "tasks.parquet").exists()
-    assert _finished(out / "parts" / part.name, TABLES)
+    assert _part_readable(out / "parts" / part.name, TABLES)
 
 
 COMMANDS = ("main", "recovery", "scale", "sweep", "ablate", "detectors", "calibration_report", "calibrate",
