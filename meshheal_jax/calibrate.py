@@ -68,6 +68,7 @@ folder holds every base file (fitted ones rewritten), so it works as `--params-d
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import shutil
@@ -204,8 +205,9 @@ def dataset_facts(datasets: Sequence[str], profiles_dir: str | None) -> pl.DataF
                                       "question_tokens": pl.Int64})  # fmt: skip
 
 
-def read_run(run_dir: Path, run: int, base_dir: Path) -> tuple[dict[str, pl.DataFrame], bool]:
-    """One run folder's MeshHeal rows, labelled; and whether it carries latent truth."""
+def read_run(run_dir: Path, run: int, base_dir: Path) -> tuple[dict[str, pl.DataFrame], bool, str]:
+    """One run folder's MeshHeal rows, labelled; whether it carries latent truth; and a fingerprint
+    of its calls (`calls_fingerprint`)."""
     if not run_dir.is_dir():
         raise MeshHealError(f"run folder {run_dir} does not exist")
     frames = {name: read_table(run_dir, name).filter(pl.col("method") == "meshheal") for name in NEEDED}
@@ -232,7 +234,18 @@ def read_run(run_dir: Path, run: int, base_dir: Path) -> tuple[dict[str, pl.Data
         "tasks": frames["tasks"].join(facts, on=["dataset", "task_type"], how="left"),
     }
     extra = [pl.lit(run, pl.Int64).alias("run"), pl.lit(truth).alias("truth")]
-    return {name: df.with_columns(extra) for name, df in labelled.items()}, truth
+    return (
+        {name: df.with_columns(extra) for name, df in labelled.items()},
+        truth,
+        calls_fingerprint(frames["calls"]),
+    )
+
+
+def calls_fingerprint(calls: pl.DataFrame) -> str:
+    """sha256 of the calls table's sorted row hashes: equal for two copies of one run folder (or
+    two runs of the same deterministic settings), whatever their paths or row order."""
+    rows = np.sort(calls.hash_rows(seed=0).to_numpy())
+    return hashlib.sha256(rows.tobytes()).hexdigest()
 
 
 def task_units(tasks: pl.DataFrame, calls: pl.DataFrame | None = None) -> tuple[pl.DataFrame, np.ndarray]:
@@ -251,6 +264,12 @@ def load_trace(run_dirs: Sequence[Path], base_dir: Path = MODEL_DIR) -> Trace:
             "no run folders given (python -m meshheal_jax.calibrate RUN_DIR [RUN_DIR...] --out DIR)"
         )
     runs = [read_run(Path(d), k, base_dir) for k, d in enumerate(run_dirs)]
+    seen: dict[str, Path] = {}
+    for d, (_, _, fingerprint) in zip(run_dirs, runs, strict=True):
+        if fingerprint in seen:  # a run counted twice would narrow every interval
+            raise MeshHealError(f"run folders {seen[fingerprint]} and {d} hold the same calls (a copy of one run, "
+                                "or the same settings run twice): give each run once")  # fmt: skip
+        seen[fingerprint] = Path(d)
     tables = {name: pl.concat([r[0][name] for r in runs], how="vertical_relaxed") for name in NEEDED}
     units, strata = task_units(tables["tasks"], tables["calls"])
     joined = {name: df.join(units, on=TASK, how="left") for name, df in tables.items()}

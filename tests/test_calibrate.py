@@ -211,6 +211,9 @@ def test_other_bad_input(trip, tmp_path):
         C.roundtrip(out)
     with pytest.raises(MeshHealError, match="run folders must be distinct"):
         C.calibrate([out / "traced", out / "traced" / ".." / "traced"], tmp_path / "fit")
+    copy = shutil.copytree(out / "traced", tmp_path / "copy-of-traced")
+    with pytest.raises(MeshHealError, match="traced and .*copy-of-traced hold the same calls"):
+        C.calibrate([out / "traced", copy], tmp_path / "fit")
     with pytest.raises(MeshHealError, match="--min-n must be >= 0, got -1"):
         C.calibrate([out / "traced"], tmp_path / "fit", min_n=-1)
     with pytest.raises(MeshHealError, match="is a run folder"):

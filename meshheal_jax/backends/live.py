@@ -782,17 +782,18 @@ class LiveClient:
 
     async def _send(self, request: CallRequest, n: int, seed: int) -> tuple[dict, bool, int]:
         """(payload, from cache, transport retries) of one HTTP call."""
-        model_id = self.model_ids[request.role]
         params = self._params(request, n, seed)
+        if self.cache is None:
+            payload, retries = await self._post(request, params)
+            return payload, False, retries
+        model_id = self.model_ids[request.role]
         key = cache_key(model_id, request.messages, params)
-        if self.cache is not None:
-            hit = self.cache.get(key)
-            if hit is not None:
-                self.stats.cache_hits += 1
-                return hit, True, 0
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.stats.cache_hits += 1
+            return hit, True, 0
         payload, retries = await self._post(request, params)
-        if self.cache is not None:
-            self.cache.put_soon(key, model_id, payload)
+        self.cache.put_soon(key, model_id, payload)
         return payload, False, retries
 
     def _next_server(self, role: str) -> _Server:
