@@ -290,7 +290,7 @@ def parse_counts(calls: pl.DataFrame, tasks: pl.DataFrame, n_phases: int) -> tup
 
 
 def stream_metrics(
-    tasks: pl.DataFrame, reviews: pl.DataFrame, states: pl.DataFrame,
+    tasks: pl.DataFrame, reviews: pl.DataFrame | None, states: pl.DataFrame,
     schedule: HealthSchedule, phase_names: Sequence[str], per_agent: bool = True,
     calls: pl.DataFrame | None = None, scale_counts: bool = False,
 ) -> dict:  # fmt: skip
@@ -298,7 +298,7 @@ def stream_metrics(
     networks) replaces the per-agent outcome list by scale_outcomes' counts; scale_counts=True adds
     the counts beside the per-agent list (the scale experiment at 6 agents). With `calls` (the
     stream's calls table) the parse counts (PARSE_KEYS, parse_counts) are added, overall and per
-    phase; without it they are left out (not known)."""
+    phase; without it they are left out (not known), as the review audit is without `reviews`."""
     degraded_rows = any_degraded(schedule)
     tasks = tasks.sort("t")
     tasks = tasks.with_columns(pl.Series("any_degraded", degraded_rows[tasks["t"].to_numpy() - 1]))
@@ -335,7 +335,9 @@ def stream_metrics(
         **{k: v for k, v in scale.items() if k != "missed"},
         "false_isolations": false_iso.height,
         "false_isolated_agents": false_iso["agent"].n_unique(),
-        "review_audit": review_audit(reviews) if reviews.height or per_agent else {},
+        "review_audit": review_audit(reviews)
+        if reviews is not None and (reviews.height or per_agent)
+        else {},
     }
 
 

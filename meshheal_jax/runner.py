@@ -326,8 +326,11 @@ class Experiment:
             raise MeshHealError(
                 f"a complete graph of {self.n_agents} agents is not supported (at most 2,304); use --sparse"
             )
-        if not set(self.tables) <= set(TABLES) or "tasks" not in self.tables:
-            raise MeshHealError(f"tables must include tasks and be among {TABLES}, got {self.tables}")
+        if not set(self.tables) <= set(TABLES) or not {"tasks", "states"} <= set(self.tables):
+            raise MeshHealError(
+                f"tables must include tasks and states (the detection and false-isolation figures are read "
+                f"from the state changes) and be among {TABLES}, got {self.tables}"
+            )
         if self.backend not in ("emulated", "live"):
             raise MeshHealError(f"unknown backend {self.backend!r}; known: emulated, live")
         if self.backend == "live":
@@ -1034,7 +1037,8 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
     """One result per (method, dataset, pair), and per (method, pair) the mean over datasets
     (within seed) when there are several datasets. Every result names method, variant, detector,
     dataset and pair. Parse counts (metrics.PARSE_KEYS: 0 on the emulator, which always parses)
-    come from the calls table, and are left out when the run keeps none (`tables`)."""
+    come from the calls table, and are left out when the run keeps none (`tables`); so is the review
+    audit when it keeps no reviews table."""
     schedule = exp.schedule()
     _, phase_names = exp.phases()
     split = {name: frames[name].partition_by("method", "dataset", "pair", "seed", as_dict=True)
@@ -1059,7 +1063,8 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
                     def pick(name: str, key=(method, dataset, pair, seed)) -> pl.DataFrame:
                         return split[name].get(key, frames[name].clear())
 
-                    m = metrics.stream_metrics(pick("tasks"), pick("reviews"), pick("states"), schedule, phase_names,
+                    reviews = pick("reviews") if "reviews" in exp.tables else None
+                    m = metrics.stream_metrics(pick("tasks"), reviews, pick("states"), schedule, phase_names,
                                                per_agent=exp.n_agents <= 6, scale_counts=exp.name == "scale",
                                                calls=pick("calls") if with_calls else None)  # fmt: skip
                     per_seed.append(m if method == "meshheal" else _without_isolation(m))

@@ -48,7 +48,8 @@ class ScaleConfig(CommonFlags):
     slots: int | None = None  # type: ignore[assignment]
     """in-flight tasks per stream (default N/6; 1 = the paper's sequential semantics)"""
     tables: tuple[str, ...] = ("tasks", "reviews", "states", "calls")
-    """record tables to keep (tasks is required; dropping calls saves memory on huge networks)"""
+    """record tables to keep (tasks and states are required: the figures are read from them; dropping
+    calls saves memory on huge networks, dropping reviews too, and leaves out the review audit)"""
 
 
 def topologies(cfg: ScaleConfig) -> list[str]:

@@ -219,6 +219,23 @@ def test_a_rerun_says_its_wall_time_is_a_resume(jax_run, tmp_path):
     assert numbers(again) == numbers(jax_run["summary"]["results"][0])
 
 
+def test_dropping_reviews_and_calls_keeps_every_figure_but_the_review_audit(jax_run, tmp_path):
+    out = tmp_path / "run"
+    run_body(parse(*JAX_ARGS, "--tables", "tasks", "states", "--out", str(out)))
+    lean = json.loads((out / "summary.json").read_text())["results"][0]
+    full = jax_run["summary"]["results"][0]
+    assert full["review_audit"] and lean["review_audit"] == {}
+    drop = {"review_audit", "wall_s", "run_dir", *metrics.PARSE_KEYS}  # parse counts come from the calls
+
+    def kept(r: dict) -> dict:
+        phases = [{k: v for k, v in p.items() if k not in drop} for p in r["phases"]]
+        return {**{k: v for k, v in r.items() if k not in drop}, "phases": phases}
+
+    assert not set(lean) & set(metrics.PARSE_KEYS) and kept(lean) == kept(full)
+    for name in ("reviews", "calls"):  # written empty, with their columns
+        assert pl.read_parquet(out / "sparse" / f"{name}.parquet").is_empty()
+
+
 def test_slots_default_to_one_task_per_six_agents(jax_run):
     assert jax_run["cfg"].slots is None
     assert jax_run["summary"]["slots"] == N_AGENTS // 6
@@ -467,7 +484,8 @@ def test_agents_not_a_multiple_of_6_exits_2(tmp_path):
      (("--agents", "12", "--edges", "<file>", "--compare"), ("--edges", "--compare")),
      (("--agents", "2310"), ("2310", "2,304", "--sparse")),
      (("--agents", "2310", "--compare"), ("2,304",)),
-     (("--agents", "0"), ("multiple of 6",))],
+     (("--agents", "0"), ("multiple of 6",)),
+     (("--agents", "12", "--tables", "tasks", "calls"), ("tables must include tasks and states",))],
 )  # fmt: skip
 def test_bad_combinations_exit_2(monkeypatch, capsys, tmp_path, args, fragments):
     path = write_edges(tmp_path / "graph.csv", bbh_graph()[3])
