@@ -357,8 +357,8 @@ def agent_cells(r: dict, a: dict) -> list[str]:
     detection = detection_text(a)
     if a.get("recovered_at") is None:
         reintegration = "— (never restored)"
-    elif a["reintegration_delay"]["n_defined"] == 0:
-        reintegration = UNDEFINED
+    elif a["reintegration_delay"]["n_defined"] == 0:  # restored, yet isolated or watched again in every seed
+        reintegration = f"never (0/{seeds} seeds)"
     else:
         reintegration = fmt_range(a["reintegration_delay"])
     return [detection, f"{a['closure_seeds']}/{seeds} seeds", reintegration]

@@ -765,16 +765,18 @@ def run_baseline_streams(
     go to the servers (backends/live_baselines.py), cached in run_dir/responses.sqlite."""
     from meshheal_jax.baselines import BaselineSpec
     from meshheal_jax.baselines import run_baseline_frames as run_baseline
+    from meshheal_jax.baselines.run import protocol_params
 
+    params = protocol_params(method, exp.protocol)  # the settings shared with MeshHeal (decisions B8)
     if exp.backend == "live":
         from meshheal_jax.backends.live_baselines import run_live_baselines
 
-        def run_baseline(method, specs, pair):  # the live variant of the same call
+        def run_baseline(method, specs, pair, params):  # the live variant of the same call
             questions = {d: read_questions(exp.live, d, exp.profiles_dir)
                          for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
             return run_live_baselines(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),
                                       questions, run_dir=run_dir / f"live-{method}-{pair_name}",
-                                      options=exp.live.options())  # fmt: skip
+                                      options=exp.live.options(), params=params)  # fmt: skip
 
     pairs = {p for _, p, _ in streams}
     if len(pairs) != 1:
@@ -789,7 +791,7 @@ def run_baseline_streams(
     pair = load_pair(pair_name, exp.params_dir)
     out: list[dict[str, pl.DataFrame] | None] = [None] * len(streams)
     for members in groups.values():
-        for k, frames in zip(members, run_baseline(method, [specs[k] for k in members], pair)):
+        for k, frames in zip(members, run_baseline(method, [specs[k] for k in members], pair, params)):
             out[k] = {name: frames[name] for name in exp.tables}
     return out
 

@@ -28,6 +28,7 @@ from meshheal_jax.baselines import (
     symphony,
 )
 from meshheal_jax.baselines import common as C
+from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import load_pair
 from meshheal_jax.streams import HealthSchedule, make_stream, persistent_schedule
 from meshheal_jax.topology import build_network, load_profile
@@ -259,6 +260,25 @@ def test_raps_watchdogs_feed_routing_on_a_full_stream():
         p[:, list(NETWORK.degraded_targets)].mean()
         > p[np.ix_(healthy, healthy)][~np.eye(4, dtype=bool)].mean()
     )
+
+
+def test_protocol_settings_reach_the_baselines_that_share_them():
+    """decisions B8: the move budget, the next-hop tie rule and RAPS's tau_to follow the protocol."""
+    for method in METHODS:  # the defaults agree, so a default run is unchanged
+        assert run.protocol_params(method, ProtocolParams()) == run.DEFAULT_PARAMS[method]()
+    changed = ProtocolParams(tau_to=0.2, route_limit=2, move_limit=6, next_hop_ties="lowest")
+    p = run.protocol_params("raps", changed)
+    assert (p.watchdog_threshold, p.budget, p.next_hop_ties) == (0.2, C.Budget(2, 6), "lowest")
+    assert run.protocol_params("sac", changed).budget == C.Budget(2, 6)
+    assert run.protocol_params("agentnet", changed).budget == C.Budget(2, 6)
+    assert run.protocol_params("autogen", changed) == run.DEFAULT_PARAMS["autogen"]()
+    specs = [spec(s) for s in SEEDS]
+    # RAPS at tau_to 0.2: a watchdog's 0.25 is no longer misbehaviour, so the Beta counts differ
+    states, _ = simulate("raps", specs, PAIR, run.protocol_params("raps", ProtocolParams(tau_to=0.2)))
+    assert not np.array_equal(states.x, batch("raps")[0].x)
+    # SAC's teams routing by the lowest index among the neighbours one hop closer take other routes
+    _, outs = simulate("sac", specs, PAIR, run.protocol_params("sac", ProtocolParams(next_hop_ties="lowest")))
+    assert not np.array_equal(outs.route, batch("sac")[1].route)
 
 
 # ================================================================================================

@@ -85,6 +85,27 @@ def test_recovery_report(recovery_run):
     assert config == json.loads((recovery_run.run_dir / "config.json").read_text())
 
 
+def test_agent_cells_say_never_for_a_detector_and_undefined_for_none():
+    """Reintegration of a restored agent: a delay over the seeds where it came back, "never" where
+    it came back in none (MeshHeal: a metric, null in every seed), "undefined" without a detector."""
+    delay = {"mean": 12.0, "std": 0.0, "min": 12.0, "max": 12.0, "n_defined": 1}
+    never = {"mean": None, "std": None, "min": None, "max": None, "n_defined": 0}
+    r = {"seeds": [0, 1, 2], "detector": "relative"}
+    a = {"detection_delay": delay, "closure_seeds": 2, "recovered_at": 379}
+    assert report.agent_cells(r, {**a, "reintegration_delay": delay})[2] == "12.0 ± 0.0 (12–12) n=1"
+    assert report.agent_cells(r, {**a, "reintegration_delay": never})[2] == "never (0/3 seeds)"
+    assert (
+        report.agent_cells(r, {**a, "recovered_at": None, "reintegration_delay": never})[2]
+        == "— (never restored)"
+    )
+    baseline = {**r, "detector": runner.NO_DETECTOR}
+    assert report.agent_cells(baseline, {**a, "reintegration_delay": never}) == [
+        report.NEVER_ISOLATED,
+        report.NOT_ESTABLISHED,
+        report.UNDEFINED,
+    ]
+
+
 def test_main_report(main_run):
     text = report.write_report(main_run.run_dir).read_text()
     assert "| method | dataset | pair | acc H | acc D |" in text

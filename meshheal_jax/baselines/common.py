@@ -734,23 +734,26 @@ def run_path(emu: Emu, world: World, t, task_type, entry, required, pair_ok, u_c
     return mstate, path, flatten(calls), reviews
 
 
-def shortest_path_hop(world: World, agent, missing, u_route_v) -> tuple[jax.Array, jax.Array]:
+def shortest_path_hop(
+    world: World, agent, missing, u_route_v, ties: str = "random"
+) -> tuple[jax.Array, jax.Array]:
     """The shared execution layer's next hop (protocol.md §3 on the static graph, no isolation):
     a missing ability by the visit's HOP_ABILITY uniform, then a neighbour one hop closer to its
-    nearest holder by HOP_TIE. Returns (agent or -1, end reason)."""
+    nearest holder by HOP_TIE, or the lowest index with ties="lowest" (ProtocolParams.next_hop_ties).
+    Returns (agent or -1, end reason)."""
     s = pick_from_mask(u_route_v[D.HOP_ABILITY], missing)
     d = world.hop_distance[agent, jnp.maximum(s, 0)]
     hops = world.adjacency[agent] & (world.hop_distance[:, jnp.maximum(s, 0)] == d - 1)
-    j = pick_from_mask(u_route_v[D.HOP_TIE], hops)
+    j = pick_from_mask(u_route_v[D.HOP_TIE] if ties == "random" else 0.0, hops)
     bad = (d >= INF) | (s < 0) | (j < 0)
     return jnp.where(bad, -1, j).astype(jnp.int32), jnp.where(bad, E_UNREACHABLE, E_NONE).astype(jnp.int32)
 
 
-def default_choose(world: World, u_route):
+def default_choose(world: World, u_route, ties: str = "random"):
     """The shared routing as a run_path hook (no model call)."""
 
     def choose(mstate, path, v, missing, valid):
-        j, end = shortest_path_hop(world, path.agent, missing, u_route[v])
+        j, end = shortest_path_hop(world, path.agent, missing, u_route[v], ties)
         return mstate, Hop(j, end, no_call())
 
     return choose

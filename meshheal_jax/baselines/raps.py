@@ -40,9 +40,12 @@ class RAPSParams:
     tau_rep: float = 0.7  # exclusion threshold on E[P]
     prior_x: float = 1.0  # Beta(1, 1)
     prior_y: float = 1.0
-    watchdog_threshold: float = 0.40  # s = 1 iff the watchdog's review sample <= 0.40
+    watchdog_threshold: float = 0.40  # s = 1 iff the watchdog's review sample <= tau_to (0.40)
     judge_rule: str = C.static_field("caller")  # "caller" | "ability"
     budget: C.Budget = C.static_field(C.Budget())
+    next_hop_ties: str = C.static_field(
+        "random"
+    )  # the relay's shortest-path tie rule (protocol.next_hop_ties)
 
 
 @C.pytree
@@ -136,7 +139,7 @@ def task_step(params: RAPSParams, emu: C.Emu, world: C.World, state: RAPSState, 
         s = C.pick_from_mask(d.route[v, D.HOP_ABILITY], missing)
         j, _ = broker_choice(params, mstate, world.holds, world.adjacency, path.agent, jnp.maximum(s, 0),
                              d.route[v, D.HOP_TIE])  # fmt: skip
-        relay, end = C.shortest_path_hop(world, path.agent, missing, d.route[v])
+        relay, end = C.shortest_path_hop(world, path.agent, missing, d.route[v], params.next_hop_ties)
         j = jnp.where(j >= 0, j, relay).astype(jnp.int32)
         return mstate, C.Hop(j, jnp.where(j < 0, end, C.E_NONE).astype(jnp.int32), C.no_call())
 

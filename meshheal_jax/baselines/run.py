@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ import polars as pl
 
 from meshheal_jax.baselines import agentnet, autogen, raps, sac, symphony
 from meshheal_jax.baselines import common as C
+from meshheal_jax.config import ProtocolParams
 from meshheal_jax.device import stack as host_stack
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import Pair, load_pair
@@ -32,6 +34,20 @@ DEFAULT_PARAMS = {
     "sac": sac.SACParams, "symphony": symphony.SymphonyParams,
 }  # fmt: skip
 TRACES: dict[str, int] = {}  # method -> times its program was traced (tests: one trace per shape)
+
+
+def protocol_params(method: str, protocol: ProtocolParams):
+    """The method's default parameters with the protocol settings the baselines share with MeshHeal
+    (decisions B8): the H/C/F move budget (route_limit, move_limit) of every method that routes,
+    the shared routing's next-hop tie rule, and RAPS's watchdog threshold tau_to."""
+    params = DEFAULT_PARAMS[method]()
+    names = {f.name for f in dataclasses.fields(params)}
+    shared = {
+        "budget": C.Budget(protocol.route_limit, protocol.move_limit),
+        "next_hop_ties": protocol.next_hop_ties,
+        "watchdog_threshold": protocol.tau_to,
+    }
+    return dataclasses.replace(params, **{k: v for k, v in shared.items() if k in names})
 
 
 class BaselineSpec(NamedTuple):

@@ -51,6 +51,7 @@ class SACParams:
     n_teams: int = C.static_field(3)
     rounds: int = C.static_field(2)
     budget: C.Budget = C.static_field(C.Budget())
+    next_hop_ties: str = C.static_field("random")  # the shared routing's tie rule (protocol.next_hop_ties)
 
     def check(self, n_agents: int) -> None:
         if not 2 <= self.n_teams <= min(n_agents, C.N_PARALLEL + 1):
@@ -137,7 +138,7 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
     def team(entry, dk, k):
         inferred, pair_ok, call_infer = C.emulate_infer(emu, world, entry, t, ty, dk.infer, execution=k)
         _, path, calls, _ = C.run_path(emu, world, t, ty, entry, world.pair_abilities[inferred], pair_ok, dk.calls,
-                                       choose=C.default_choose(world, dk.route), budget=params.budget,
+                                       choose=C.default_choose(world, dk.route, params.next_hop_ties), budget=params.budget,
                                        execution=k)  # fmt: skip
         return inferred, pair_ok, path, C.concat([C.stack([call_infer]), calls])
 
