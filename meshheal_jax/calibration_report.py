@@ -120,6 +120,7 @@ def evaluate(contexts_by_pair: dict[str, list[dict]]) -> list[dict]:
 
 
 GAP_PARTS = (
+    "a degraded agent already isolated when it degrades (falsely isolated while healthy)",
     "degraded agents not both isolated by the stream's end",
     "before both are isolated: task visits a degraded agent",
     "before both are isolated: task visits none",
@@ -133,24 +134,35 @@ def degraded_gap(tasks: pl.DataFrame, states: pl.DataFrame, schedule) -> list[di
 
     Degraded-phase tasks (phase 1 of the persistent schedule) fall in the parts of GAP_PARTS, by
     whether every degraded agent had been isolated at least once since it degraded, before the task
-    (per stream), and whether the task's route visits a degraded agent. A part's contribution is
+    (per stream), and whether the task's route visits a degraded agent. A stream where a degraded
+    agent is still isolated when it degrades (falsely isolated while healthy: its isolation is no
+    detection) is a part of its own, first. A part's contribution is
     its share of the phase's tasks × (its accuracy − the healthy-phase accuracy); the contributions
     sum to acc D − acc H (pooled over streams; every stream has the same number of tasks per phase)."""
     start = {a: s for a, s, _ in schedule.intervals}
     degraded = sorted(start)
     streams = ["dataset", "pair", "seed"]
     since = pl.col("agent").replace_strict(start, default=None, return_dtype=pl.Int64)
-    isolated = (states.filter((pl.col("to") == "isolated") & pl.col("agent").is_in(degraded) & (pl.col("t") >= since))
+    mine = states.filter(pl.col("agent").is_in(degraded))
+    # isolated at onset: its last change before its first degraded task put it in isolation
+    at_onset = (mine.filter(pl.col("t") < since).group_by(*streams, "agent", maintain_order=True)
+                .agg(pl.col("to").last()).filter(pl.col("to") == "isolated")
+                .select(*streams).unique().with_columns(onset_isolated=pl.lit(True)))  # fmt: skip
+    isolated = (mine.filter((pl.col("to") == "isolated") & (pl.col("t") >= since))
                 .group_by(*streams, "agent").agg(pl.col("t").min())
                 .group_by(*streams).agg(pl.col("t").max().alias("t_all"), pl.len().alias("n_isolated")))  # fmt: skip
     visits = pl.col("route").str.split("-").list.eval(pl.element().cast(pl.Int64).is_in(degraded)).list.any()
-    x = tasks.join(isolated, on=streams, how="left").with_columns(visits=visits)
+    x = (tasks.join(isolated, on=streams, how="left").join(at_onset, on=streams, how="left")
+         .with_columns(visits=visits, onset_isolated=pl.col("onset_isolated").fill_null(False)))  # fmt: skip
     healthy = float(x.filter(pl.col("phase") == 0)["correct"].mean())
     d = x.filter(pl.col("phase") == 1)
     never = pl.col("n_isolated").is_null() | (pl.col("n_isolated") < len(degraded))
     after = pl.col("t") > pl.col("t_all")
-    never_, before_visits, before_clean, after_visits, after_clean = (pl.lit(name) for name in GAP_PARTS)
-    part = (pl.when(never).then(never_)
+    onset_, never_, before_visits, before_clean, after_visits, after_clean = (
+        pl.lit(name) for name in GAP_PARTS
+    )
+    part = (pl.when(pl.col("onset_isolated")).then(onset_)
+            .when(never).then(never_)
             .when(~after & pl.col("visits")).then(before_visits)
             .when(~after).then(before_clean)
             .when(pl.col("visits")).then(after_visits)

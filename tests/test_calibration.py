@@ -73,15 +73,34 @@ def test_degraded_gap_on_a_hand_built_stream():
     tasks = pl.DataFrame({**{k: [v] * 8 for k, v in labels.items()}, "t": list(range(1, 9)),
                           "phase": [0, 0, 0, 0, 1, 1, 1, 1], "route": ["0", "1", "0-1", "3", "2-0", "1", "4", "0"],
                           "correct": [True, True, True, False, False, True, False, True]})  # fmt: skip
-    # A5 isolated at t3 (before it degraded: not a detection), A3 at t5, A5 again at t6
-    states = pl.DataFrame({**{k: [v] * 3 for k, v in labels.items()}, "t": [3, 5, 6], "agent": [4, 2, 4],
-                           "to": ["isolated", "isolated", "isolated"]})  # fmt: skip
+    # A5 isolated at t3 (before it degraded: not a detection) and released at t4, A3 isolated at
+    # t5, A5 again at t6
+    states = pl.DataFrame({**{k: [v] * 4 for k, v in labels.items()}, "t": [3, 4, 5, 6], "agent": [4, 4, 2, 4],
+                           "to": ["isolated", "watched", "isolated", "isolated"]})  # fmt: skip
     *parts, total = degraded_gap(tasks, states, schedule)
     # H = 3/4; t_all = 6 (the later of the two isolations): t5 before, visits A3 (wrong); t6 before,
     # clean (right); t7 after, visits A5 (wrong); t8 after, clean (right)
-    assert [(p["tasks"], p["accuracy"]) for p in parts] == [(0, None), (1, 0.0), (1, 1.0), (1, 0.0), (1, 1.0)]
-    assert [p["contribution"] for p in parts] == [0.0, 0.25 * -0.75, 0.25 * 0.25, 0.25 * -0.75, 0.25 * 0.25]
+    assert [(p["tasks"], p["accuracy"]) for p in parts] == [
+        (0, None),
+        (0, None),
+        (1, 0.0),
+        (1, 1.0),
+        (1, 0.0),
+        (1, 1.0),
+    ]
+    assert [p["contribution"] for p in parts] == [
+        0.0,
+        0.0,
+        0.25 * -0.75,
+        0.25 * 0.25,
+        0.25 * -0.75,
+        0.25 * 0.25,
+    ]
     assert total["contribution"] == pytest.approx(0.5 - 0.75)
+    # without the release, A5 is still isolated when it degrades (falsely isolated while healthy):
+    # the stream's degraded phase is the first part, whatever A3 does
+    *parts, _ = degraded_gap(tasks, states.filter(pl.col("t") != 4), schedule)
+    assert [(p["tasks"], p["accuracy"]) for p in parts] == [(4, 0.5)] + [(0, None)] * 5
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
