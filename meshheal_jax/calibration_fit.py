@@ -415,12 +415,14 @@ def scan_structure(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
     table = new_table(f"Latent difficulty and draft blame on both models, the {cfg.pair} pair's files otherwise "
                       f"(fit seeds {list(cfg.fit_seeds)}, jax engine, slots 1)",
                       "spread", "review", "blame", "acc H", "acc D", "D − H", "MATH H → D", "Takeover w→r", "primary met", "loss",
-                      "not both isolated (share, contribution)", "after isolation, visits none")  # fmt: skip
+                      "isolated at onset or never (share, contribution)", "after isolation, visits none")  # fmt: skip
     for (spread, review, blame), r, gap in zip(points, rows, gaps):
         value = {x["target"]: x["measured"]["mean"] for x in r}
         primary = [x for x in r if x["priority"] == "primary"]
         by_part = {g["part"]: g for g in gap}
-        never, clean = by_part[GAP_PARTS[0]], by_part[GAP_PARTS[4]]
+        # a degraded agent isolated before its onset (falsely), or never: no detection in the stream
+        never = {k: by_part[GAP_PARTS[0]][k] + by_part[GAP_PARTS[1]][k] for k in ("share", "contribution")}
+        clean = by_part[GAP_PARTS[5]]
         h, d = (
             value["accuracy, healthy phase, mean of 3 datasets"],
             value["accuracy, degraded phase, mean of 3 datasets"],
