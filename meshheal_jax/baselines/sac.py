@@ -174,6 +174,8 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
             anchor = jnp.where(valid.any(axis=1), r.own_score[team_ids, first], NEUTRAL_ANCHOR)
         else:
             anchor = C.review_score(emu, world, t, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
+            # as live: a team that judged no other answer has no anchor of its own (the neutral one)
+            anchor = jnp.where(valid.any(axis=1), anchor, NEUTRAL_ANCHOR)
             scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
             eval_completion = C.completion_tokens(emu, judge, C.K_EVALUATE, u_eval[..., D.U_TOKENS])
             eval_prompt = (
