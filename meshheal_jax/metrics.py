@@ -146,7 +146,9 @@ NOT_AUDITED_ACTIONS = ("self_evaluate",)
 
 
 def review_audit(reviews: pl.DataFrame) -> dict:
-    """Review audit on non-probe outputs (probe outputs reported apart), without SAC's self-scores."""
+    """Review audit on non-probe outputs, without SAC's self-scores; probe outputs reported apart
+    (probe_*: their number, mean q, and per author health their number, mean q0 and q, and the
+    share judged low, q <= 0.40)."""
     r = reviews.filter(~pl.col("probe") & ~pl.col("action").is_in(NOT_AUDITED_ACTIONS))
     healthy = r.filter(~pl.col("author_degraded"))
     degraded = r.filter(pl.col("author_degraded"))
@@ -160,6 +162,11 @@ def review_audit(reviews: pl.DataFrame) -> dict:
     wrong_to_right = fin_take.filter(~pl.col("correct_before") & pl.col("correct_after")).height
     right_to_wrong = fin_take.filter(pl.col("correct_before") & ~pl.col("correct_after")).height
     probes = reviews.filter(pl.col("probe"))
+    probe_h, probe_d = probes.filter(~pl.col("author_degraded")), probes.filter(pl.col("author_degraded"))
+
+    def mean(df: pl.DataFrame, col: str) -> float | None:
+        return df[col].mean() if df.height else None
+
     return {
         "outputs_healthy": healthy.height,
         "outputs_degraded": degraded.height,
@@ -184,7 +191,11 @@ def review_audit(reviews: pl.DataFrame) -> dict:
         "takeover_right_to_wrong": _ratio(right_to_wrong, n_take),
         "takeover_unchanged": _ratio(n_take - wrong_to_right - right_to_wrong, n_take),
         "probe_outputs": probes.height,
-        "probe_mean_q": probes["q"].mean() if probes.height else None,
+        "probe_mean_q": mean(probes, "q"),
+        **{f"probe_{key}_{health}": value
+           for health, df in (("healthy", probe_h), ("degraded", probe_d))
+           for key, value in (("outputs", df.height), ("mean_q0", mean(df, "q0")), ("mean_q", mean(df, "q")),
+                              ("low", _ratio(low("q", df).height, df.height)))},
     }  # fmt: skip
 
 

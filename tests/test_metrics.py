@@ -218,6 +218,16 @@ def test_review_audit_ratios():
     assert counts == [1, 1, 1]
     assert a["probe_outputs"] == 1
     assert a["probe_mean_q"] == approx(0.125)
+    assert (a["probe_outputs_degraded"], a["probe_mean_q0_degraded"], a["probe_low_degraded"]) == (
+        1,
+        0.0,
+        1.0,
+    )
+    assert (
+        a["probe_outputs_healthy"] == 0
+        and a["probe_mean_q_healthy"] is None
+        and a["probe_low_healthy"] is None
+    )
 
 
 def test_review_audit_undefined_ratios_are_null():
@@ -229,6 +239,7 @@ def test_review_audit_undefined_ratios_are_null():
     assert a["takeover_wrong_to_right"] is None and a["finalize_takeovers"] == 0
     assert a["takeover_wrong_to_right_count"] == a["takeover_unchanged_count"] == 0
     assert a["probe_outputs"] == 0 and a["probe_mean_q"] is None
+    assert a["probe_outputs_healthy"] == a["probe_outputs_degraded"] == 0 and a["probe_low_degraded"] is None
     assert a["initial_false_alarm"] == 0.0
 
 
