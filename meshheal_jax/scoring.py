@@ -222,9 +222,15 @@ def _timeout() -> int | None:
 
 
 def _parse_math(expression: str) -> list:
-    """math-verify's parse of one answer expression (given without $ or \\boxed), [] if unparsable."""
+    """math-verify's parse of one answer expression (given without \\boxed), [] if unparsable. An
+    expression with inline math among words ("$5$ dollars") is read by math-verify's own
+    extraction of the $...$ part first: wrapped in \\boxed, the words would become symbols."""
     mv = _math_verify()
     config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    if "$" in expression:
+        parsed = mv.parse(expression, config, parsing_timeout=_timeout())
+        if any(_is_expression(x) for x in parsed):
+            return parsed
     parsed = mv.parse("\\boxed{" + expression + "}", config, parsing_timeout=_timeout())
     if not parsed:  # plain-text forms latex parsing misses, e.g. "1/2 + x" without braces
         parsed = mv.parse(expression, [mv.ExprExtractionConfig()], parsing_timeout=_timeout())

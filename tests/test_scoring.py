@@ -103,6 +103,8 @@ def test_math500_integer_golds_reject_off_by_one_and_sign_flips(math_verify):
         ("\\frac{\\sqrt{2}}{2}", "RESULT: sqrt(2)/2"),
         ("\\frac{\\sqrt{2}}{2}", "RESULT: \\frac{1}{\\sqrt{2}}"),
         ("5", "RESULT: x = 5"),
+        ("5", "RESULT: $5$ dollars"),  # inline math among words
+        ("\\frac{1}{2}", "RESULT: the probability is $\\frac{1}{2}$"),
         ("2,\\!016", "RESULT: 2016"),
         ("\\left( 3, \\frac{\\pi}{2} \\right)", "RESULT: (3, \\pi/2)"),
         ("\\text{(C)}", "RESULT: \\text{(C)}"),
@@ -131,6 +133,7 @@ def test_math_equivalent_forms_are_accepted(math_verify, gold, prediction):
             "RESULT: \\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}",
         ),
         ("\\text{(C)}", "RESULT: \\text{(D)}"),
+        ("5", "RESULT: $6$ dollars"),
         ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!526}"),
     ],
 )
