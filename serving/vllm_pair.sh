@@ -74,6 +74,7 @@ NODE_HOSTS="${MESHHEAL_NODE_HOSTS:-}"
 HEAD_ADDRESS="${MESHHEAL_HEAD_ADDRESS:-}"
 DETACH=0
 DRY_RUN=0
+FORWARD=()  # the flags given that apply on every node (multi-node, option 1, passes them on)
 
 if [[ $# -gt 0 && "$1" != -* ]]; then
   ACTION="$1"
@@ -102,6 +103,10 @@ while [[ $# -gt 0 ]]; do
   [[ $# -gt 0 && "$1" != --* ]] || die "option $arg needs a value"
   value="$1"
   shift
+  case "$arg" in
+    --layout|--host|--run-dir|--nodes|--node-hosts|--head-address) ;;
+    *) FORWARD+=("$arg" "$value") ;;
+  esac
   case "$arg" in
     --layout) LAYOUT="$value" ;;
     --pair) PAIR="$value" ;;
@@ -303,8 +308,9 @@ if [[ "$LAYOUT" == multi-node ]]; then
   echo "# multi-node, option 1: one independent server pair per node (simplest; the client spreads calls)"
   echo "# on each of the $n nodes (${hosts[*]}):"
   printf '%q --layout node8 --host 0.0.0.0' "serving/vllm_pair.sh"
-  [[ "$PAIR" != default ]] && printf ' --pair %q' "$PAIR"
+  (( ${#FORWARD[@]} )) && printf ' %q' "${FORWARD[@]}"  # the models, ports, sizes given here
   printf '\n'
+  echo "#   (with the MESHHEAL_* variables of this shell, if any, set there too)"
   echo "# then give the live client every node's URL (round-robin per role):"
   echo "#   --strong-url $strong_urls"
   echo "#   --weak-url $weak_urls"
@@ -323,10 +329,12 @@ if [[ "$LAYOUT" == multi-node ]]; then
   show "$STRONG_GPUS" "${head_cmd[@]}" "${dp_common[@]}"
   for ((k = 1; k < n; k++)); do
     echo "# node $((k + 1)) (${hosts[k]}):"
+    tp=()  # every engine of one data-parallel group has the head's tensor-parallel size
+    (( STRONG_TP > 1 )) && tp=(--tensor-parallel-size "$STRONG_TP")
     show "$STRONG_GPUS" vllm serve "$STRONG_MODEL" --headless "${dp_common[@]}" \
       --data-parallel-start-rank "$((k * STRONG_DP))" --gpu-memory-utilization "$STRONG_MEM" \
       --max-model-len "$STRONG_MAX_MODEL_LEN" --max-num-seqs "$STRONG_MAX_NUM_SEQS" \
-      --enable-prefix-caching --generation-config vllm
+      --enable-prefix-caching --generation-config vllm ${tp[@]+"${tp[@]}"}
   done
   echo "# (on a Ray cluster instead: the head-node command alone, with --data-parallel-backend ray added)"
   echo "# the weak model on GPU $WEAK_GPUS of each node:"

@@ -105,6 +105,18 @@ def test_multi_node_hints():
     assert "--served-model-name weak" in weak
 
 
+def test_multi_node_commands_carry_the_settings_given():
+    result = run_script("--layout", "multi-node", "--node-hosts", "gpu-a,gpu-b", "--strong-tp", "2",
+                        "--strong-port", "9000", "--strong-model", "my/model", "--pair", "A")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    per_node = [line for line in result.stdout.splitlines() if line.startswith("serving/vllm_pair.sh")]
+    flags = "--strong-tp 2 --strong-port 9000 --strong-model my/model --pair A"
+    assert per_node == [f"serving/vllm_pair.sh --layout node8 --host 0.0.0.0 {flags}"]
+    assert "--strong-url http://gpu-a:9000/v1,http://gpu-b:9000/v1" in result.stdout
+    head, worker, _ = serve_lines(result.stdout)
+    assert "--tensor-parallel-size 2" in head and "--tensor-parallel-size 2" in worker  # one engine shape
+
+
 def test_pairs_models_ports_and_env():
     result = run_script(
         "--pair", "A", "--dry-run", env={"HF_TOKEN": HF_SECRET, "MESHHEAL_STRONG_PORT": "9000"}
