@@ -1040,7 +1040,9 @@ def write_params(directory: Path, changes: dict[str, dict[str, object]], base_di
     return directory
 
 
-def run_metrics(tasks: pl.DataFrame, stream_weights: np.ndarray) -> dict[str, np.ndarray]:
+def run_metrics(
+    tasks: pl.DataFrame, stream_weights: np.ndarray, phase_names: Sequence[str] = ("healthy", "degraded")
+) -> dict[str, np.ndarray]:
     """(R,) accuracy, calls and tokens per task, overall and per phase, under (R, n_streams)
     weights of the run's streams (sorted by their labels). Streams, not tasks, are the bootstrap
     unit here: a run's aggregates depend on its network's history (one isolation changes every
@@ -1053,7 +1055,7 @@ def run_metrics(tasks: pl.DataFrame, stream_weights: np.ndarray) -> dict[str, np
     )
     t = totals(rows, ("phase",), ("one", "correct", "calls", "tokens"), stream_weights[:, strata])
     out = {}
-    for label, key in (("all", {}), ("healthy", {"phase": 0}), ("degraded", {"phase": 1})):
+    for label, key in (("all", {}), *((name, {"phase": k}) for k, name in enumerate(phase_names))):
         n = t.at("one", **key)
         for name, column in (("accuracy", "correct"), ("calls/task", "calls"), ("tokens/task", "tokens")):
             out[f"{name} ({label})"] = ratio(t.at(column, **key), n)
@@ -1061,8 +1063,9 @@ def run_metrics(tasks: pl.DataFrame, stream_weights: np.ndarray) -> dict[str, np
 
 
 def compare_runs(
-    traced: pl.DataFrame, twin: pl.DataFrame, n_boot: int, seed: int, level: float
-) -> list[dict]:
+    traced: pl.DataFrame, twin: pl.DataFrame, n_boot: int, seed: int, level: float,
+    phase_names: Sequence[str] = ("healthy", "degraded"),
+) -> list[dict]:  # fmt: skip
     """Traced vs twin aggregates (tasks tables of the same streams): the traced value and its
     interval (bootstrap over streams), the twin's value, and the interval of twin - traced with
     the two runs' streams resampled independently. `consistent`: that interval holds 0. Not
@@ -1070,8 +1073,10 @@ def compare_runs(
     error, and early in a stream (before the paths part) a paired difference measures that error
     with almost no noise, flagging differences well inside the parameters' own intervals."""
     n_streams = traced.select(STREAM[1:]).unique().height
-    a = run_metrics(traced, bootstrap_weights(np.zeros(n_streams, dtype=np.int64), n_boot, seed))
-    b = run_metrics(twin, bootstrap_weights(np.zeros(n_streams, dtype=np.int64), n_boot, seed + 1))
+    a = run_metrics(traced, bootstrap_weights(np.zeros(n_streams, dtype=np.int64), n_boot, seed), phase_names)
+    b = run_metrics(
+        twin, bootstrap_weights(np.zeros(n_streams, dtype=np.int64), n_boot, seed + 1), phase_names
+    )
     rows = []
     for name in a:
         low, high = Estimate(a[name], n=traced.height).interval(level)
@@ -1127,6 +1132,59 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
     return report
 
 
+def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed: int = 0, level: float = 0.95,
+               progress: bool = False) -> list[dict]:  # fmt: skip
+    """spec/calibrate.md's check: each traced run's configuration (its config.json: experiment,
+    datasets, pairs, seeds, tasks, protocol) emulated by MeshHeal with the fitted files in
+    `twin_dir`, its accuracy, calls and tokens per task (overall and per phase) against the traced
+    run's (compare_runs). The twin runs go to twin_dir/twin-check/<k> (made anew each time: the
+    files they read may have been refitted)."""
+    from meshheal_jax import runner  # the JAX engine only when the check runs
+    from meshheal_jax.report import experiment_from_config
+
+    folder = Path(twin_dir) / "twin-check"
+    shutil.rmtree(folder, ignore_errors=True)
+    out = []
+    for k, run_dir in enumerate(Path(d) for d in run_dirs):
+        experiment = read_experiment(run_dir)
+        if not experiment:
+            raise MeshHealError(f"{run_dir / 'config.json'} not found: the twin check emulates the traced run's "
+                                "configuration (--no-check to skip it)")  # fmt: skip
+        exp = dataclasses.replace(experiment_from_config(experiment), methods=("meshheal",), backend="emulated",
+                                  live=None, params_dir=Path(twin_dir))  # fmt: skip
+        twin = runner.run(exp, folder / str(k), progress=progress)
+        traced = read_table(run_dir, "tasks").filter(pl.col("method") == "meshheal")
+        phase_names = exp.phases()[1]
+        out.append({"run": str(run_dir), "twin": str(folder / str(k)), "experiment": exp.name,
+                    "aggregates": compare_runs(traced, twin.tasks, n_boot, seed, level, phase_names)})  # fmt: skip
+    doc_path = Path(twin_dir) / "calibration.json"
+    doc = json.loads(doc_path.read_text())
+    doc["twin_check"] = out
+    doc_path.write_text(json.dumps(doc, indent=2))
+    return out
+
+
+def print_aggregates(rows: list[dict], title: str, level: float) -> None:
+    agg = new_table(title, "quantity", "traced", f"{level:.0%} interval", "twin", "inside", "twin − traced",
+                    f"{level:.0%} interval ", "consistent")  # fmt: skip
+    for a in rows:
+        digits = 3 if a["quantity"].startswith("accuracy") else 1
+        span = f"{{:,.{digits}f}}–{{:,.{digits}f}}"
+        agg.add_row(a["quantity"], f"{a['traced']:,.{digits}f}", span.format(*a["interval"]), f"{a['twin']:,.{digits}f}",
+                    "yes" if a["inside"] else "NO", f"{a['difference']:+,.{digits}f}",
+                    span.format(*a["difference_interval"]), "yes" if a["consistent"] else "NO")  # fmt: skip
+    print_table(agg)
+
+
+def print_twin_check(check: list[dict], level: float) -> None:
+    for c in check:
+        print_aggregates(c["aggregates"], f"Twin check: {c['run']} vs its configuration emulated with the fitted "
+                         f"files ({c['twin']}; intervals: bootstrap over streams)", level)  # fmt: skip
+        off = [a["quantity"] for a in c["aggregates"] if not (a["inside"] and a["consistent"])]
+        print(f"not reproduced within the intervals: {', '.join(off)}" if off else
+              "every quantity reproduced within its interval")  # fmt: skip
+
+
 def print_roundtrip(report: dict) -> None:
     level = report["level"]
     table = new_table(f"Round trip, parameters ({report['dataset']}, seeds {report['seeds']}, {report['n_tasks']} "
@@ -1149,16 +1207,8 @@ def print_roundtrip(report: dict) -> None:
         f"not identified (kept from the base files): {len(kept)}: "
         + "; ".join(f"{k['model']} {k['parameter']}" for k in kept)
     )
-    agg = new_table("Round trip, traced run vs twin (same configuration and seeds; intervals: bootstrap over "
-                    "streams, the two runs resampled independently for the difference)", "quantity", "traced", f"{level:.0%} interval", "twin",
-                    "inside", "twin − traced", f"{level:.0%} interval ", "consistent")  # fmt: skip
-    for a in report["aggregates"]:
-        digits = 3 if a["quantity"].startswith("accuracy") else 1
-        span = f"{{:,.{digits}f}}–{{:,.{digits}f}}"
-        agg.add_row(a["quantity"], f"{a['traced']:,.{digits}f}", span.format(*a["interval"]), f"{a['twin']:,.{digits}f}",
-                    "yes" if a["inside"] else "NO", f"{a['difference']:+,.{digits}f}",
-                    span.format(*a["difference_interval"]), "yes" if a["consistent"] else "NO")  # fmt: skip
-    print_table(agg)
+    print_aggregates(report["aggregates"], "Round trip, traced run vs twin (same configuration and seeds; intervals: "
+                     "bootstrap over streams, the two runs resampled independently for the difference)", level)  # fmt: skip
     print(f"wall time: {report['wall_s']:.1f} s")
 
 
@@ -1190,6 +1240,9 @@ class CalibrateConfig:
     roundtrip_dataset: str = "bbh"
     roundtrip_seeds: int = 8
     roundtrip_tasks: int = 504
+    check: bool = True
+    """then emulate each traced run's configuration with the fitted files and compare its accuracy,
+    calls and tokens per task with the traced run's (spec/calibrate.md; --no-check to skip)"""
     quiet: bool = False
     """no table, no progress bar"""
 
@@ -1211,6 +1264,10 @@ def body(cfg: CalibrateConfig) -> None:
                           cfg.per_type, cfg.level)  # fmt: skip
     if not cfg.quiet:
         print_fit(result, cfg.level)
+    if cfg.check:
+        check = twin_check(cfg.run_dirs, cfg.out, cfg.bootstrap, cfg.seed, cfg.level, progress=not cfg.quiet)
+        if not cfg.quiet:
+            print_twin_check(check, cfg.level)
     print(f"fitted files and calibration.json: {cfg.out} (use it as --params-dir {cfg.out})")
 
 

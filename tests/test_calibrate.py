@@ -106,6 +106,24 @@ def test_roundtrip_twin_reproduces_the_traced_run(trip):
     # ignores the twin's sampling noise; with these 6 seeds calls and tokens per task land just outside)
 
 
+def test_twin_check_emulates_the_traced_configuration(trip, tmp_path, capsys):
+    """spec/calibrate.md's check on a run folder: the traced run's configuration, read from its
+    config.json, emulated with the fitted files; the round trip's own comparison is the same one."""
+    out, report = trip
+    fitted = shutil.copytree(out / "fitted", tmp_path / "fitted")
+    check = C.twin_check([out / "traced"], fitted, n_boot=200, seed=0)
+    assert len(check) == 1 and check[0]["experiment"] == "main"
+    assert check[0]["aggregates"] == report["aggregates"]
+    assert json.loads((fitted / "calibration.json").read_text())["twin_check"] == check
+    C.print_twin_check(check, 0.95)
+    assert "Twin check" in capsys.readouterr().out
+    bare = tmp_path / "no-config"
+    bare.mkdir()
+    shutil.copy(out / "traced" / "tasks.parquet", bare)
+    with pytest.raises(MeshHealError, match="config.json not found"):
+        C.twin_check([bare], fitted)
+
+
 def test_roundtrip_reports_what_is_not_identified(trip):
     out, report = trip
     kept = {(k["model"], k["parameter"]) for k in report["not_identified"]}
