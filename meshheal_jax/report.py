@@ -33,6 +33,8 @@ STATE_CHANGES_SHOWN = 400  # rows of the state-change table before it is cut (th
 class ReportConfig:
     run_dir: tyro.conf.Positional[Path]
     """run folder written by an experiment (holds config.json, summary.json and the parquet tables)"""
+    show_seed: int | None = None
+    """recovery: the seed of the trajectory plot and the state-change table (default: the first seed)"""
 
 
 @dataclasses.dataclass
@@ -45,6 +47,16 @@ class RunFolder:
     tasks: pl.DataFrame
     reviews: pl.DataFrame | None  # read only where a figure needs them
     states: pl.DataFrame | None
+    show_seed: int | None = None  # recovery: the seed shown (trajectory, state changes); None: the first
+
+    @property
+    def shown_seed(self) -> int:
+        seeds = [int(s) for s in self.experiment.get("seeds", [0])]
+        if self.show_seed is None:
+            return seeds[0]
+        if self.show_seed not in seeds:
+            raise MeshHealError(f"--show-seed {self.show_seed} is not among the run's seeds {seeds}")
+        return self.show_seed
 
     @property
     def experiment(self) -> dict:
@@ -167,7 +179,7 @@ def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
     exp = run.experiment
     if run.name == "recovery" and run.reviews is not None and run.states is not None:
         schedule = experiment_from_config(exp).schedule()
-        seed = int(exp["seeds"][0])
+        seed = run.shown_seed
         dataset, pair = exp["datasets"][0], exp["pairs"][0]
         methods = sorted(run.tasks["method"].unique().to_list())
         method = "meshheal" if "meshheal" in methods else methods[0]  # the trajectory is MeshHeal's
@@ -513,7 +525,7 @@ def _pinned(config: dict) -> dict:
     return {**exp, "live": {**live, "hub": hub}} if hub else exp
 
 
-def reproduce_commands(config: dict, run_dir: Path | None = None) -> list[str]:
+def reproduce_commands(config: dict, run_dir: Path | None = None, show_seed: int | None = None) -> list[str]:
     """Shell commands that re-run the experiment of config.json (one per pair, and per dataset
     where the CLI takes one), then regenerate this report. A config carrying "argv" (the
     command-line arguments the run was started with) is reproduced from it verbatim."""
@@ -560,7 +572,8 @@ def reproduce_commands(config: dict, run_dir: Path | None = None) -> list[str]:
         names = ", ".join(f"{role}_served_name = {json.dumps(name)}" for role, name in served.items() if name)
         commands = [f"{c}  # and a --live-config FILE holding {names}" for c in commands]
     target = "RUN_DIR" if run_dir is None else str(run_dir)
-    commands.append(shlex.join(["python", "-m", "meshheal_jax.report", target]))
+    shown = [] if show_seed is None else ["--show-seed", str(show_seed)]
+    commands.append(shlex.join(["python", "-m", "meshheal_jax.report", target, *shown]))
     return commands
 
 
@@ -638,7 +651,7 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
             lines += [f"### {caption}", "", f"![{caption}]({path.relative_to(run.path).as_posix()})", ""]
 
     if run.name == "recovery" and run.states is not None and exp.get("seeds"):
-        seed, dataset, pair = int(exp["seeds"][0]), exp["datasets"][0], exp["pairs"][0]
+        seed, dataset, pair = run.shown_seed, exp["datasets"][0], exp["pairs"][0]
         table, n = state_changes_table(run.states, seed, dataset, pair)
         cut = (
             f" (first {STATE_CHANGES_SHOWN} of {n}; all in states.parquet)" if n > STATE_CHANGES_SHOWN else ""
@@ -663,7 +676,7 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
         ),
         "",
         "```bash",
-        *reproduce_commands(config, run.path),
+        *reproduce_commands(config, run.path, run.show_seed),
         "```",
         "",
     ]
@@ -682,10 +695,10 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(run_dir: Path | str) -> Path:
+def write_report(run_dir: Path | str, show_seed: int | None = None) -> Path:
     """Redraw the run's figures and write report.md in the run folder; returns its path. A sweep's
     run folder gets the sweep's report (`sweep.write_report`: the table per grid point and the
-    trade-off figures)."""
+    trade-off figures). `show_seed`: a recovery run's seed shown (default its first)."""
     config_path = Path(run_dir) / "config.json"
     if config_path.is_file():
         try:
@@ -696,7 +709,8 @@ def write_report(run_dir: Path | str) -> Path:
             from meshheal_jax import sweep
 
             return sweep.write_report(run_dir)
-    run = load_run(run_dir)
+    run = dataclasses.replace(load_run(run_dir), show_seed=show_seed)
+    run.shown_seed  # noqa: B018 -- a seed the run lacks is refused before anything is drawn
     figures = make_plots(run)
     path = run.path / REPORT_NAME
     runner.write_atomic(path, render(run, figures))
@@ -704,7 +718,7 @@ def write_report(run_dir: Path | str) -> Path:
 
 
 def body(cfg: ReportConfig) -> None:
-    path = write_report(cfg.run_dir)
+    path = write_report(cfg.run_dir, cfg.show_seed)
     print(f"report: {path}")
 
 

@@ -511,7 +511,7 @@ def tradeoff_plot(summary: dict, path: Path, dataset: str | None = None) -> Path
     ax.set_xlim(low - 0.08 * span, (never_x + 0.1 * span) if (~defined).any() else high + 0.12 * span)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("detection delay: tasks from the onset of degradation to isolation")
-    ax.set_ylabel("false isolations: agents isolated while healthy (per stream)")
+    ax.set_ylabel("false isolations: healthy agents' moves into isolation (per stream)")
     ax.set_title(f"Detection trade-off as {' and '.join(names)} vary\n{dataset}, {len(summary['seeds'])} seeds × "
                  f"{summary['n_tasks']} tasks per grid point; marker labels: {last}; lower left is better",
                  fontsize=10, loc="left")  # fmt: skip

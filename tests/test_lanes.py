@@ -142,8 +142,12 @@ def test_a_failing_lane_stops_the_others_and_raises():
 
     with pytest.raises(RuntimeError, match="a lane broke"):
         engine.run_batch(cfg, specs, params, False, 64, engine.TABLES, 2, on_progress=progress)
-    # the first lane, whose result the caller waits for first, stopped at its next chunk
-    assert sum(name.endswith("_0") for name in calls) <= 3
+    # the first lane, whose result the caller waits for first, stopped at its next chunk: after the
+    # failing call at most the chunk it was running (and, racing the stop flag, one more). Counted
+    # from the failure: under load the second lane's first chunk can come after several of the first's.
+    failed = next(k for k, name in enumerate(calls) if name.endswith("_1"))
+    assert sum(name.endswith("_0") for name in calls[failed:]) <= 2, calls
+    assert sum(name.endswith("_0") for name in calls) < 28  # the first lane did not run to its end
 
 
 def test_a_cancelled_batch_raises_cancelled():

@@ -85,6 +85,18 @@ def test_recovery_report(recovery_run):
     assert config == json.loads((recovery_run.run_dir / "config.json").read_text())
 
 
+def test_recovery_report_shows_the_seed_asked_for(tmp_path):
+    exp = runner.Experiment(name="recovery", methods=("meshheal",), datasets=("math",), pairs=("default",),
+                            seeds=(3, 4), engine="reference", n_tasks=210)  # fmt: skip
+    run_dir = runner.run(exp, tmp_path / "run", progress=False).run_dir
+    text = report.write_report(run_dir, show_seed=4).read_text()
+    assert "## State changes, seed 4 (math, pair default)" in text and "trajectory_seed4.png" in text
+    assert (run_dir / "trajectory_seed4.png").is_file()
+    assert f"python -m meshheal_jax.report {run_dir} --show-seed 4" in text
+    with pytest.raises(MeshHealError, match=r"--show-seed 9 is not among the run's seeds \[3, 4\]"):
+        report.write_report(run_dir, show_seed=9)
+
+
 def test_agent_cells_say_never_for_a_detector_and_undefined_for_none():
     """Reintegration of a restored agent: a delay over the seeds where it came back, "never" where
     it came back in none (MeshHeal: a metric, null in every seed), "undefined" without a detector."""
