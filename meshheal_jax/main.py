@@ -141,6 +141,8 @@ def print_parse_notes(results: list[dict]) -> None:
 def body(cfg: MainConfig) -> None:
     results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, **cfg.run_options())
     print_summary(results.summary)
+    if note := report.prefix_note(results.summary):
+        print(note)
     path = report.write_report(results.run_dir)
     print(f"results: {results.run_dir}")
     print(f"report: {path}")

@@ -121,6 +121,8 @@ def body(cfg: RecoveryConfig) -> None:
     results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, **cfg.run_options())
     seed = cfg.show_seed if cfg.show_seed is not None else cfg.seed_tuple()[0]
     print_summary(results.summary, results.states, seed)
+    if note := report.prefix_note(results.summary):
+        print(note)
     path = report.write_report(results.run_dir, seed)
     print(f"results: {results.run_dir}")
     print(f"report: {path}")

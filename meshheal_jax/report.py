@@ -290,6 +290,17 @@ PARSE_FALLBACKS = (
 )
 
 
+def prefix_note(summary: dict) -> str | None:
+    """A live run's server-side prefix savings (summary.json's server_prefix) in one line."""
+    s = summary.get("server_prefix")
+    if not s or not s.get("prompt_tokens"):
+        return None
+    return (f"server-side prefix savings (the {s['requests']:,} requests sent): of {s['prompt_tokens']:,} prompt tokens "
+            f"as counted (an n=3 review's prompt three times), {s['prefix_shared_tokens']:,} "
+            f"({s['prefix_shared_share']:.1%}) were an n-request's shared prefill and {s['cached_prompt_tokens']:,} "
+            f"({s['cached_prompt_share']:.1%}) prefix-cache hits the servers reported")  # fmt: skip
+
+
 def _seen(r: dict, key: str) -> bool:
     """Whether some stream of the result counted any of `key` (a parse count's stats)."""
     return ((r.get(key) or {}).get("max") or 0) > 0

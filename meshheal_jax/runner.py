@@ -198,10 +198,16 @@ class LiveSettings:
             return data.load_sample(dataset, profile)
         return data.load_local(dataset, self.data, profile)
 
-    def config(self, cache_path: Path):
+    def config(self, cache_path: Path, pair: str | None = None, params_dir: Path | None = None):
+        """The live client's settings; with `pair`, its model files' ids are checked against the
+        models the servers serve (a warning, live_loop.check_pair_models)."""
         from meshheal_jax.backends.live import RetryPolicy, ServerGroup
         from meshheal_jax.backends.live_loop import LiveConfig
 
+        expected = None
+        if pair is not None:
+            models = load_pair(pair, params_dir)
+            expected = (pair, {"strong": models.strong.model, "weak": models.weak.model})
         return LiveConfig(
             retry=RetryPolicy(request_timeout_s=self.request_timeout_s),
             servers=(ServerGroup("strong", self.strong_urls, self.strong_model, self.strong_served_name,
@@ -209,6 +215,7 @@ class LiveSettings:
                      ServerGroup("weak", self.weak_urls, self.weak_model, self.weak_served_name,
                            max_in_flight=self.max_in_flight, gpt_oss_effort=self.reasoning_effort)),
             cache_path=cache_path,
+            pair=expected,
         )  # fmt: skip
 
     def options(self):
@@ -752,7 +759,8 @@ def run_live_streams(
     }
     (pair_name,) = {p for _, p, _ in streams}
     return live_loop.run_live_streams(
-        specs, exp.protocol, exp.live.config(run_dir / "responses.sqlite"), questions, slots=exp.slots,
+        specs, exp.protocol, exp.live.config(run_dir / "responses.sqlite", pair_name, exp.params_dir), questions,
+        slots=exp.slots,
         run_dir=run_dir / f"live-{pair_name}", options=exp.live.options(),
     )  # fmt: skip
 
@@ -774,7 +782,8 @@ def run_baseline_streams(
         def run_baseline(method, specs, pair, params):  # the live variant of the same call
             questions = {d: read_questions(exp.live, d, exp.profiles_dir)
                          for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
-            return run_live_baselines(method, specs, pair, exp.live.config(run_dir / "responses.sqlite"),
+            return run_live_baselines(method, specs, pair, exp.live.config(run_dir / "responses.sqlite", pair_name,
+                                                                           exp.params_dir),
                                       questions, run_dir=run_dir / f"live-{method}-{pair_name}",
                                       options=exp.live.options(), params=params)  # fmt: skip
 
@@ -954,8 +963,34 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
             summary = summarize(exp, frames)
         finally:
             written.result()  # a failed write surfaces (chained to a failed summary, if any)
+    if exp.backend == "live":
+        summary["server_prefix"] = server_prefix_savings(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
+
+
+def server_prefix_savings(run_dir: Path) -> dict:
+    """spec/live.md: the tokens count every review sample's prompt (an n=3 request's prompt three
+    times, as the paper counts); the server-side savings are reported apart. Over the run's live
+    traces (every `live-*/live_trace*.parquet`), the requests actually sent (not replayed from the
+    response cache): prompt tokens as counted, of them the prefill an n-request shared
+    (`prefix_shared_tokens`) and the prefix-cache hits the servers reported (`cached_prompt_tokens`,
+    0 where a server reports none or an older trace lacks the column)."""
+    sums = {"prompt_tokens": 0, "prefix_shared_tokens": 0, "cached_prompt_tokens": 0, "requests": 0}
+    for path in sorted(Path(run_dir).glob("live-*/live_trace*.parquet")):
+        try:
+            trace = pl.read_parquet(path)
+        except Exception:  # noqa: BLE001 -- a trace that cannot be read is named, the summary still written
+            warnings.warn(f"cannot read {path}: left out of the server-side prefix savings", stacklevel=2)
+            continue
+        sent = trace.filter(~pl.col("from_cache")) if "from_cache" in trace.columns else trace
+        sums["requests"] += sent.height
+        for key in ("prompt_tokens", "prefix_shared_tokens", "cached_prompt_tokens"):
+            if key in sent.columns:
+                sums[key] += int(sent[key].fill_null(0).sum())
+    total = sums["prompt_tokens"]
+    return {**sums, "prefix_shared_share": sums["prefix_shared_tokens"] / total if total else None,
+            "cached_prompt_share": sums["cached_prompt_tokens"] / total if total else None}  # fmt: skip
 
 
 def _baseline_jobs(

@@ -68,6 +68,12 @@ def test_live_main_writes_a_run_folder(live_main):
     reviews = calls.filter(pl.col("kind") == "review").height
     assert sent == calls.height - reviews * 2 // 3
     assert (out / "report.md").exists()
+    # spec/live.md: tokens count an n=3 review's prompt three times; the shared prefill is reported apart
+    prefix = summary["server_prefix"]
+    review_prompt = calls.filter(pl.col("kind") == "review")["prompt_tokens"].sum()
+    assert prefix["requests"] == sent and prefix["prompt_tokens"] == calls["prompt_tokens"].sum()
+    assert prefix["prefix_shared_tokens"] == review_prompt * 2 // 3 > 0
+    assert prefix["prefix_shared_share"] == prefix["prefix_shared_tokens"] / prefix["prompt_tokens"]
 
 
 def test_rerun_resends_nothing_and_gives_the_same_results(live_main, tmp_path):
@@ -79,6 +85,9 @@ def test_rerun_resends_nothing_and_gives_the_same_results(live_main, tmp_path):
     main.body(tyro.cli(main.MainConfig, args=argv))
     assert sum(len(s.chats) for s in pair) == sent  # every reply came from the response cache
     assert pl.read_parquet(out / "tasks.parquet").equals(before)
+    assert (
+        json.loads((out / "summary.json").read_text())["server_prefix"]["requests"] == sent
+    )  # replays not counted
 
 
 def test_live_settings_from_a_config_file(tmp_path):

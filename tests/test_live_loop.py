@@ -391,3 +391,27 @@ def test_interrupted_run_resumes_without_repeats(servers, first_run, tmp_path):
     replay = trace.slice(cut.height)  # the resumed call's rows, replayed from round 0
     assert replay["round"][0] == 0 and replay["from_cache"].sum() >= cut.height
     assert same(resumed, results, drop=("latency_s",))  # latency measured afresh for what was re-sent
+
+
+def test_a_pair_whose_files_name_other_models_than_served_warns():
+    """`--pair B` against servers of the default pair: the results would carry the wrong label."""
+    import warnings
+
+    from meshheal_jax import runner
+
+    settings = runner.LiveSettings(strong_urls=("http://s/v1",), weak_urls=("http://w/v1",))
+    pair = settings.config(None, "B").pair
+    assert pair == (
+        "B",
+        {"strong": "meta-llama/Llama-3.3-70B-Instruct", "weak": "meta-llama/Llama-3.2-1B-Instruct"},
+    )
+    with pytest.warns(live_loop.PairModelWarning, match="pair B's strong model is meta-llama/Llama-3.3-70B-Instruct, "
+                      "but the strong server serves openai/gpt-oss-120b"):  # fmt: skip
+        live_loop.check_pair_models(
+            pair, {"strong": "openai/gpt-oss-120b", "weak": "meta-llama/Llama-3.2-1B-Instruct"}
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same ids (any case) and a local checkpoint path are not compared
+        live_loop.check_pair_models(
+            pair, {"strong": "META-LLAMA/Llama-3.3-70B-Instruct", "weak": "/models/llama-1b"}
+        )

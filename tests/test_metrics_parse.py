@@ -216,5 +216,7 @@ def test_live_main_counts_parse_failures_in_summary_and_output(tmp_path, capsys)
         in printed
     )
     assert "parsed on the retry" in printed and "neutral 0.5" in printed
+    prefix = json.loads((out / "summary.json").read_text())["server_prefix"]
+    assert f"server-side prefix savings (the {prefix['requests']:,} requests sent)" in printed
     report_md = (out / "report.md").read_text()
     assert "## Parse failures" in report_md and "failed: infer" in report_md

@@ -1033,6 +1033,7 @@ def trace_rows(requests: Sequence[CallRequest], responses: Sequence[CallResponse
                 "prompt_tokens": response.prompt_tokens,
                 "completion_tokens": response.completion_tokens,
                 "prefix_shared_tokens": response.prefix_shared_tokens,
+                "cached_prompt_tokens": response.cached_prompt_tokens,
                 "latency_s": response.latency_s,
                 "parse_status": ",".join(response.parse_status),
                 "parse_failures": response.parse_failures,

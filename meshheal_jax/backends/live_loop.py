@@ -75,7 +75,7 @@ from meshheal_jax.backends.live import (
 )
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.data import Record, pick_questions, question_pool
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.params import CALL_KINDS
 
 ROLE_NAMES = engine.ROLE_NAMES  # ("strong", "weak"): index = engine.STRONG / engine.WEAK
@@ -114,6 +114,23 @@ class LiveConfig:
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     cache_path: Path | None = None  # None: run_dir/responses.sqlite (no cache without run_dir)
     api_key: str | None = None  # None: from MESHHEAL_API_KEY / VLLM_API_KEY / OPENAI_API_KEY
+    pair: tuple[str, dict[str, str]] | None = None  # (name, role -> the model id of its file): checked
+
+
+class PairModelWarning(MeshHealWarning):
+    """A live run labelled with a pair whose model files name other models than the servers serve."""
+
+
+def check_pair_models(pair: tuple[str, Mapping[str, str]], served: Mapping[str, str]) -> None:
+    """Warn when a role's server serves another hub model than the pair's file names (a local path
+    is not compared): the results would be labelled with a pair they do not come from."""
+    name, expected = pair
+    for role, model in expected.items():
+        got = served.get(role)
+        if got and not got.startswith(("/", ".")) and got.lower() != model.lower():
+            warnings.warn(f"live backend: pair {name}'s {role} model is {model}, but the {role} server serves "
+                          f"{got}; the results are labelled pair {name} (--pair, or --{role}-model to name it)",
+                          PairModelWarning, stacklevel=2)  # fmt: skip
 
 
 TRACES = {"begin": 0, "absorb": 0}  # incremented at trace time: one trace per (cfg, batched)
@@ -523,9 +540,10 @@ def _open_client(client, run_dir: Path | None) -> tuple[SyncLiveClient, bool]:
     cache_path = client.cache_path or (run_dir / CACHE_FILE if run_dir is not None else None)
     cache = ResponseCache(cache_path) if cache_path is not None else None
     try:
-        return SyncLiveClient(
-            list(client.servers), cache=cache, retry=client.retry, api_key=client.api_key
-        ), True
+        live = SyncLiveClient(list(client.servers), cache=cache, retry=client.retry, api_key=client.api_key)
+        if client.pair is not None:
+            check_pair_models(client.pair, live.client.model_ids)
+        return live, True
     except BaseException:
         if cache is not None:
             cache.close()
