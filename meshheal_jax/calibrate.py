@@ -1135,7 +1135,8 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
 def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed: int = 0, level: float = 0.95,
                progress: bool = False) -> list[dict]:  # fmt: skip
     """spec/calibrate.md's check: each traced run's configuration (its config.json: experiment,
-    datasets, pairs, seeds, tasks, protocol) emulated by MeshHeal with the fitted files in
+    datasets, pairs, seeds, tasks, protocol, and where its questions came from, whose tokens the
+    emulator counts) emulated by MeshHeal with the fitted files in
     `twin_dir`, its accuracy, calls and tokens per task (overall and per phase) against the traced
     run's (compare_runs). The twin runs go to twin_dir/twin-check/<k> (made anew each time: the
     files they read may have been refitted)."""
@@ -1150,9 +1151,16 @@ def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed
         if not experiment:
             raise MeshHealError(f"{run_dir / 'config.json'} not found: the twin check emulates the traced run's "
                                 "configuration (--no-check to skip it)")  # fmt: skip
-        exp = dataclasses.replace(experiment_from_config(experiment), methods=("meshheal",), backend="emulated",
-                                  live=None, params_dir=Path(twin_dir))  # fmt: skip
-        twin = runner.run(exp, folder / str(k), progress=progress)
+        traced_exp = experiment_from_config(experiment)
+        live = traced_exp.live  # the questions it asked (or counted) count the twin's question tokens too
+        questions = None if live is None else runner.LiveSettings((), (), data=live.data, hub=live.hub,
+                                                                  tokenizer=live.tokenizer)  # fmt: skip
+        exp = dataclasses.replace(traced_exp, methods=("meshheal",), backend="emulated", live=questions,
+                                  params_dir=Path(twin_dir))  # fmt: skip
+        try:
+            twin = runner.run(exp, folder / str(k), progress=progress)
+        except MeshHealError as err:  # e.g. the hub its questions came from cannot be reached here
+            raise MeshHealError(f"twin check of {run_dir}: {err} (--no-check to skip it)") from None
         traced = read_table(run_dir, "tasks").filter(pl.col("method") == "meshheal")
         phase_names = exp.phases()[1]
         out.append({"run": str(run_dir), "twin": str(folder / str(k)), "experiment": exp.name,
