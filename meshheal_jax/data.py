@@ -27,6 +27,7 @@ import math
 import os
 import re
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -182,7 +183,13 @@ def bbh_options(question: str) -> tuple[str, ...] | None:
 def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:
     question = _text_field(row, "input", where)
     gold = _text_field(row, "target", where).strip()
-    return Record(question, task_type, gold, bbh_options(question), uid, where)
+    options = bbh_options(question)
+    letter = re.fullmatch(r"\(([A-Z])\)", gold)
+    if letter and options is not None and ord(letter.group(1)) - ord("A") >= len(options):
+        raise _row_error(
+            where, f"target {gold!r} is not one of the question's options (A)-({chr(64 + len(options))})"
+        )
+    return Record(question, task_type, gold, options, uid, where)
 
 
 def _escaped(text: str, i: int) -> bool:
@@ -193,13 +200,16 @@ def _escaped(text: str, i: int) -> bool:
     return n % 2 == 1
 
 
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
 def last_boxed_span(text: str) -> tuple[int, str] | None:
     """(start of the `\\boxed`, content) of the last complete `\\boxed{...}` / `\\fbox{...}`.
 
     Braces are balanced; escaped braces `\\{` `\\}` do not nest. A `\\boxed` whose braces never
     close is skipped in favour of an earlier complete one. None if there is none.
     """
-    starts = [(m.start(), m.end()) for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    starts = [(m.start(), m.end()) for m in _BOXED.finditer(text)]
     for start, content_start in reversed(starts):
         depth = 1
         for i in range(content_start, len(text)):
@@ -230,8 +240,14 @@ def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
         gold = _text_field(row, "answer", where).strip()  # a string or a number, never a list or a table
     else:
         if row.get("solution") is None:
-            raise _row_error(where, "missing field 'answer' (and no 'solution' to take its \\boxed{} from)")
-        gold = last_boxed(_text_field(row, "solution", where))
+            given = "empty field 'answer'" if answer is not None else "missing field 'answer'"
+            raise _row_error(where, f"{given} (and no 'solution' to take its \\boxed{{}} from)")
+        solution = _text_field(row, "solution", where)
+        span = last_boxed_span(solution)
+        if span is not None and any(m.start() > span[0] for m in _BOXED.finditer(solution)):
+            raise _row_error(where, "the last \\boxed{ in 'solution' never closes (a cut solution?): its gold "
+                             "answer is unknown")  # fmt: skip
+        gold = None if span is None else span[1]
         if gold is None or not gold:
             raise _row_error(where, "no 'answer' field and no complete \\boxed{...} in 'solution'")
     if row.get("unique_id"):
@@ -285,15 +301,31 @@ def _profile_for(dataset: str, profile: Profile | str | Path | None) -> Profile:
     return load_profile(profile)
 
 
+class TaskTypeWarning(MeshHealWarning):
+    """Data rows left out because their task type only nearly matches one of the profile's."""
+
+
+def _loose(task_type: str) -> str:
+    return re.sub(r"[\s_-]+", "_", task_type.strip().lower())
+
+
 def filter_to_profile(records: Iterable[Record], profile: Profile, source: str) -> list[Record]:
-    """Keep the records of the profile's task types; every task type must have at least one."""
+    """Keep the records of the profile's task types; every task type must have at least one. Rows
+    of other types are left out (MMLU-Pro's other categories); one whose type differs from a
+    profile type only in case, spaces, '-' or '_' is left out with a TaskTypeWarning."""
     wanted = set(profile.task_types)
     kept: list[Record] = []
-    found: set[str] = set()
+    found: Counter[str] = Counter()
     for rec in records:
-        found.add(rec.task_type)
+        found[rec.task_type] += 1
         if rec.task_type in wanted:
             kept.append(rec)
+    loose = {_loose(t): t for t in wanted}
+    near = sorted(t for t in found if t not in wanted and _loose(t) in loose)
+    if near:
+        listed = ", ".join(f"{t!r} ({found[t]} rows; the profile's {loose[_loose(t)]!r})" for t in near)
+        warnings.warn(f"{source}: rows left out, their task type is not written as the profile's: {listed}",
+                      TaskTypeWarning, stacklevel=2)  # fmt: skip
     missing = [t for t in profile.task_types if t not in found]
     if missing:
         listed = sorted(found)
@@ -329,6 +361,9 @@ def _load_local_bbh(root: Path, profile: Profile) -> list[Record]:
     records: list[Record] = []
     for task in profile.task_types:
         files = [folder / f"{task}{s}" for s in DATA_SUFFIXES if (folder / f"{task}{s}").is_file()]
+        if len(files) > 1:
+            raise MeshHealError(f"{folder}: task type {task!r} has {len(files)} files ({', '.join(f.name for f in files)});"
+                                " keep one")  # fmt: skip
         if not files:
             present = sorted(p.stem for p in folder.iterdir() if p.suffix in DATA_SUFFIXES)
             raise MeshHealError(

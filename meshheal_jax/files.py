@@ -16,7 +16,10 @@ def read_text(path: Path, what: str) -> str:
     except OSError as err:
         raise MeshHealError(f"cannot read {what} {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
-        raise MeshHealError(f"{what} {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+        line = err.object[: err.start].count(b"\n") + 1
+        raise MeshHealError(
+            f"{what} {path} is not UTF-8 text (line {line}, byte {err.start}: {err.reason})"
+        ) from None
 
 
 def flush(path: Path) -> None:

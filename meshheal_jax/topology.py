@@ -61,7 +61,7 @@ ROW_KEYS = {"ability": ("name", "holders", "description"), "task_type": ("name",
 
 
 def _agent_index(name: str, where: str, source: str = "profile") -> int:
-    if not (isinstance(name, str) and name.startswith("A") and name[1:].isdigit()):
+    if not (isinstance(name, str) and name.startswith("A") and name[1:].isdigit() and name[1] != "0"):
         raise MeshHealError(f"{source}: {where}: agent name {name!r} is not of the form A1..A6")
     index = int(name[1:]) - 1
     if not 0 <= index < BASE_AGENTS:
@@ -105,6 +105,19 @@ def whole_number(value, where: str, minimum: int = 0, maximum: int = 2**31 - 1) 
     return value
 
 
+def _row_texts(rows: list, table: str, key: str, source: str, required: bool = True) -> list[str]:
+    """Each row's `key` as a non-empty string (or "" where an optional key is absent), naming the
+    row (its position in the file's [[table]] rows) where one is missing or not text."""
+    out = []
+    for k, row in enumerate(rows, 1):
+        value = row.get(key, None if required else "")
+        if not isinstance(value, str) or (required and not value.strip()):
+            need = "a non-empty string" if required else "a string"
+            raise MeshHealError(f"{source}: [[{table}]] row {k}: {key} must be {need}, got {value!r}")
+        out.append(value)
+    return out
+
+
 def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
     """Build and validate a Profile from a parsed TOML document."""
     unknown_keys(doc, PROFILE_KEYS, source)
@@ -119,14 +132,21 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
         target_names = _names(doc, "degraded_targets", source) if "degraded_targets" in doc else ["A3", "A5"]
     except KeyError as missing:
         raise MeshHealError(f"{source}: missing key {missing}") from None
-    names = [str(row.get("name", "")) for row in ability_rows]
-    if len(set(names)) != len(names) or "" in names:
-        raise MeshHealError(f"{source}: ability names must be unique and non-empty: {names}")
+    names = _row_texts(ability_rows, "ability", "name", source)
+    type_names = _row_texts(type_rows, "task_type", "name", source)
+    descriptions = _row_texts(ability_rows, "ability", "description", source, required=False)
+    for kind, given in (("ability", names), ("task type", type_names)):
+        repeated = sorted({n for n in given if given.count(n) > 1})
+        if repeated:
+            raise MeshHealError(f"{source}: {kind} names must be unique: {repeated} repeated")
     holds = np.zeros((BASE_AGENTS, len(names)), dtype=bool)
     for s, row in enumerate(ability_rows):
         where = f"ability {names[s]!r}"
         for holder in _names(row, "holders", f"{source}: {where}"):
-            holds[_agent_index(holder, where, source), s] = True
+            agent = _agent_index(holder, where, source)
+            if holds[agent, s]:
+                raise MeshHealError(f"{source}: {where}: holder {holder!r} listed twice")
+            holds[agent, s] = True
     requires = []
     for row in type_rows:
         req = _names(row, "requires", f"{source}: task type {row.get('name')!r}")
@@ -141,8 +161,8 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
         dataset_id=dataset_id,
         question_tokens=question_tokens,
         abilities=tuple(names),
-        descriptions=tuple(str(row.get("description", "")) for row in ability_rows),
-        task_types=tuple(str(row.get("name", "")) for row in type_rows),
+        descriptions=tuple(descriptions),
+        task_types=tuple(type_names),
         requires=tuple(requires),  # type: ignore[arg-type]
         holds=holds,
         degraded_targets=tuple(_agent_index(n, "degraded_targets", source) for n in target_names),

@@ -247,6 +247,25 @@ def test_missing_field_names_file_row_and_field(tmp_path):
         data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
 
 
+def test_math_gold_from_a_cut_solution_or_an_empty_answer_is_refused(tmp_path):
+    rows = math_rows()
+    rows[1]["solution"] = "first \\boxed{3}, then the real answer \\boxed{\\frac{1}{2}"
+    with pytest.raises(MeshHealError, match=r"row 2: the last \\boxed\{ in 'solution' never closes"):
+        data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+    rows = math_rows()
+    rows[2]["answer"] = ""
+    del rows[2]["solution"]
+    with pytest.raises(MeshHealError, match=r"row 3: empty field 'answer' \(and no 'solution'"):
+        data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+
+
+def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_bytes(json.dumps(math_rows()[0]).encode() + b'\n{"problem": "caf\xe9"}\n')
+    with pytest.raises(MeshHealError, match=r"math\.jsonl is not UTF-8 text \(line 2, byte"):
+        data.load_local("math", path)
+
+
 def test_invalid_json_line_and_non_object_rows(tmp_path):
     path = tmp_path / "mmlu.jsonl"
     lines = [json.dumps(r) for r in mmlu_rows()]
@@ -330,6 +349,42 @@ def test_bbh_bad_example_names_task_file_and_row(tmp_path):
         data.load_local("bbh", tmp_path)
     (tmp_path / "navigate.json").write_text('{"examples": [')
     with pytest.raises(MeshHealError, match=r"navigate\.json: invalid JSON at line 1"):
+        data.load_local("bbh", tmp_path)
+
+
+def test_rows_whose_type_nearly_matches_the_profile_warn(tmp_path):
+    rows = math_rows() + [{**math_rows()[0], "type": "algebra"}, {**math_rows()[0], "type": "Number  Theory"}]
+    with pytest.warns(
+        data.TaskTypeWarning, match=r"'Number  Theory' \(1 rows; the profile's 'Number Theory'\)"
+    ):
+        records = data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+    assert len(records) == len(math_rows())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MMLU-Pro's other categories are left out without a word
+        data.load_local(
+            "mmlu_pro",
+            write_jsonl(tmp_path / "mmlu.jsonl", [*mmlu_rows(), {**mmlu_rows()[0], "category": "history"}]),
+        )
+
+
+def test_bbh_letter_target_outside_the_options_and_two_files_for_one_task(tmp_path):
+    question = "Which one?\nOptions:\n(A) this\n(B) that"
+    for task in PROFILE_TYPES["bbh"]:
+        (tmp_path / f"{task}.json").write_text(
+            json.dumps({"examples": [{"input": question, "target": "(B)"}] * 2})
+        )
+    assert len(data.load_local("bbh", tmp_path)) == 14
+    (tmp_path / "navigate.json").write_text(json.dumps({"examples": [{"input": question, "target": "(Z)"}]}))
+    with pytest.raises(
+        MeshHealError,
+        match=r"navigate\.json, row 1: target '\(Z\)' is not one of the question's options \(A\)-\(B\)",
+    ):
+        data.load_local("bbh", tmp_path)
+    (tmp_path / "navigate.json").write_text(json.dumps({"examples": [{"input": question, "target": "(A)"}]}))
+    write_jsonl(tmp_path / "navigate.jsonl", [{"input": question, "target": "(B)"}])
+    with pytest.raises(
+        MeshHealError, match=r"task type 'navigate' has 2 files \(navigate\.json, navigate\.jsonl\); keep one"
+    ):
         data.load_local("bbh", tmp_path)
 
 

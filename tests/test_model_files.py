@@ -117,7 +117,7 @@ def test_unreadable_model_files_are_named(tmp_path):
     """A model file that is not UTF-8 text, or a folder, is refused naming the file."""
     (tmp_path / "llama-3.2-1b.toml").write_bytes(b'model = "caf\xe9"\n')
     with pytest.raises(
-        MeshHealError, match=r"model parameter file .*llama-3.2-1b.toml is not UTF-8 text \(byte 12"
+        MeshHealError, match=r"model parameter file .*llama-3.2-1b.toml is not UTF-8 text \(line 1, byte 12"
     ):
         params.load_model("llama-3.2-1b", tmp_path)
     (tmp_path / "gpt-oss-120b.toml").mkdir()

@@ -202,9 +202,11 @@ def test_ability_held_by_four_agents(bbh_doc):
     reject(bbh_doc, "held by exactly three agents", "'logical'", "has 4")
 
 
-def test_duplicate_holder_counts_once(bbh_doc):
+def test_duplicate_holder_is_named(bbh_doc):
     ability_row(bbh_doc, "symbolic")["holders"] = ["A1", "A1", "A2"]
-    reject(bbh_doc, "held by exactly three agents", "'symbolic'", "has 2")
+    reject(bbh_doc, "ability 'symbolic'", "holder 'A1' listed twice")
+    ability_row(bbh_doc, "symbolic")["holders"] = ["A1", "A1", "A2", "A3"]  # three distinct: still refused
+    reject(bbh_doc, "ability 'symbolic'", "holder 'A1' listed twice")
 
 
 def test_task_type_requiring_three_abilities(bbh_doc):
@@ -250,12 +252,33 @@ def test_six_task_types(bbh_doc):
 
 def test_duplicate_task_type_names(bbh_doc):
     bbh_doc["task_type"][1]["name"] = bbh_doc["task_type"][0]["name"]
-    reject(bbh_doc, "7 distinct task types", "object_counting")
+    reject(bbh_doc, "task type names must be unique", "['object_counting'] repeated")
+
+
+@pytest.mark.parametrize(
+    "table, row, key, value, fragment",
+    [("task_type", 2, "name", None, "[[task_type]] row 2: name must be a non-empty string, got None"),
+     ("task_type", 1, "name", 7, "[[task_type]] row 1: name must be a non-empty string, got 7"),
+     ("task_type", 3, "name", " ", "[[task_type]] row 3: name must be a non-empty string"),
+     ("ability", 4, "name", "", "[[ability]] row 4: name must be a non-empty string"),
+     ("ability", 1, "description", 5, "[[ability]] row 1: description must be a string, got 5")],
+)  # fmt: skip
+def test_names_and_descriptions_must_be_text(bbh_doc, table, row, key, value, fragment):
+    if value is None:
+        del bbh_doc[table][row - 1][key]
+    else:
+        bbh_doc[table][row - 1][key] = value
+    reject(bbh_doc, fragment, "mutant.toml")
+
+
+def test_agent_names_are_written_as_in_the_spec(bbh_doc):
+    ability_row(bbh_doc, "spatial")["holders"] = ["A4", "A5", "A06"]
+    reject(bbh_doc, "'A06'", "A1..A6")
 
 
 def test_duplicate_ability_names(bbh_doc):
     bbh_doc["ability"][1]["name"] = bbh_doc["ability"][0]["name"]
-    reject(bbh_doc, "ability names must be unique", "mathematical")
+    reject(bbh_doc, "ability names must be unique", "['mathematical'] repeated")
 
 
 def test_unknown_ability_in_a_task_type(bbh_doc):
