@@ -63,6 +63,12 @@ p_popular_wrong (traces record right/wrong, not which wrong answer), and any cel
 --min-n observations (e.g. a model that never reviewed a weak author): they keep the base file's
 values (--base-params-dir, default the packaged files) and calibration.json says so. The output
 folder holds every base file (fitted ones rewritten), so it works as `--params-dir` on any pair.
+
+The twin check (spec/calibrate.md; on unless --no-check; decisions C7): each traced run's
+configuration is then emulated by MeshHeal with the fitted files into `--out`/twin-check/<k>, and
+its accuracy, calls and tokens per task, overall and per phase, are compared with the traced
+run's (intervals over streams, as the round trip); the table and calibration.json's `twin_check`
+say which fall outside.
 """
 
 from __future__ import annotations
@@ -1132,35 +1138,48 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
     return report
 
 
-def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed: int = 0, level: float = 0.95,
-               progress: bool = False) -> list[dict]:  # fmt: skip
-    """spec/calibrate.md's check: each traced run's configuration (its config.json: experiment,
-    datasets, pairs, seeds, tasks, protocol, and where its questions came from, whose tokens the
-    emulator counts) emulated by MeshHeal with the fitted files in
-    `twin_dir`, its accuracy, calls and tokens per task (overall and per phase) against the traced
-    run's (compare_runs). The twin runs go to twin_dir/twin-check/<k> (made anew each time: the
-    files they read may have been refitted)."""
-    from meshheal_jax import runner  # the JAX engine only when the check runs
+def twin_experiments(run_dirs: Sequence[Path], twin_dir: Path) -> list:
+    """The experiment of each traced run (its config.json: experiment, datasets, pairs, seeds,
+    tasks, protocol) as the twin check emulates it: MeshHeal alone, with the fitted files in
+    `twin_dir`, emulated, every question counted as its profile's mean (live=None: the basis the
+    fit's prompt bases were taken on, fit_prompts and decisions X4). Checked before anything is
+    fitted: a folder whose configuration cannot be rebuilt is named."""
     from meshheal_jax.report import experiment_from_config
 
+    out = []
+    for run_dir in (Path(d) for d in run_dirs):
+        try:
+            experiment = read_experiment(run_dir)
+            if not experiment:
+                raise MeshHealError(f"{run_dir / 'config.json'} not found")
+            exp = dataclasses.replace(experiment_from_config(experiment), methods=("meshheal",),
+                                      backend="emulated", live=None, params_dir=Path(twin_dir))  # fmt: skip
+            dataclasses.replace(exp, params_dir=None).validate()  # the fitted files may not exist yet
+        except MeshHealError as err:
+            raise MeshHealError(f"twin check of {run_dir}: its configuration cannot be emulated ({err}); "
+                                "--no-check to fit without the check") from None  # fmt: skip
+        out.append(exp)
+    return out
+
+
+def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed: int = 0, level: float = 0.95,
+               progress: bool = False) -> list[dict]:  # fmt: skip
+    """spec/calibrate.md's check: each traced run's configuration (twin_experiments) emulated with
+    the fitted files in `twin_dir`, its accuracy, calls and tokens per task (overall and per
+    phase) against the traced run's (compare_runs). The twin runs go to twin_dir/twin-check/<k>
+    (made anew each time: the files they read may have been refitted)."""
+    from meshheal_jax import runner  # the JAX engine only when the check runs
+
+    experiments = twin_experiments(run_dirs, twin_dir)
     folder = Path(twin_dir) / "twin-check"
     shutil.rmtree(folder, ignore_errors=True)
     out = []
-    for k, run_dir in enumerate(Path(d) for d in run_dirs):
-        experiment = read_experiment(run_dir)
-        if not experiment:
-            raise MeshHealError(f"{run_dir / 'config.json'} not found: the twin check emulates the traced run's "
-                                "configuration (--no-check to skip it)")  # fmt: skip
-        traced_exp = experiment_from_config(experiment)
-        live = traced_exp.live  # the questions it asked (or counted) count the twin's question tokens too
-        questions = None if live is None else runner.LiveSettings((), (), data=live.data, hub=live.hub,
-                                                                  tokenizer=live.tokenizer)  # fmt: skip
-        exp = dataclasses.replace(traced_exp, methods=("meshheal",), backend="emulated", live=questions,
-                                  params_dir=Path(twin_dir))  # fmt: skip
+    for k, (run_dir, exp) in enumerate(zip((Path(d) for d in run_dirs), experiments, strict=True)):
         try:
             twin = runner.run(exp, folder / str(k), progress=progress)
-        except MeshHealError as err:  # e.g. the hub its questions came from cannot be reached here
-            raise MeshHealError(f"twin check of {run_dir}: {err} (--no-check to skip it)") from None
+        except MeshHealError as err:
+            raise MeshHealError(f"twin check of {run_dir}: {err} (the fitted files are written in {twin_dir}; "
+                                "--no-check fits without the check)") from None  # fmt: skip
         traced = read_table(run_dir, "tasks").filter(pl.col("method") == "meshheal")
         phase_names = exp.phases()[1]
         out.append({"run": str(run_dir), "twin": str(folder / str(k)), "experiment": exp.name,
@@ -1268,6 +1287,8 @@ def body(cfg: CalibrateConfig) -> None:
         return
     if cfg.out is None:
         raise MeshHealError("--out DIR is required (the folder of fitted parameter files)")
+    if cfg.check:
+        twin_experiments(cfg.run_dirs, cfg.out)  # a folder the check cannot emulate is named before the fit
     result, _ = calibrate(cfg.run_dirs, cfg.out, cfg.base_params_dir, cfg.bootstrap, cfg.seed, cfg.min_n,
                           cfg.per_type, cfg.level)  # fmt: skip
     if not cfg.quiet:

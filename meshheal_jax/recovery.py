@@ -123,7 +123,7 @@ def body(cfg: RecoveryConfig) -> None:
     print_summary(results.summary, results.states, seed)
     if note := report.prefix_note(results.summary):
         print(note)
-    path = report.write_report(results.run_dir, seed)
+    path = report.write_report(results.run_dir, cfg.show_seed)
     print(f"results: {results.run_dir}")
     print(f"report: {path}")
 

@@ -721,6 +721,8 @@ def write_report(run_dir: Path | str, show_seed: int | None = None) -> Path:
 
             return sweep.write_report(run_dir)
     run = dataclasses.replace(load_run(run_dir), show_seed=show_seed)
+    if show_seed is not None and run.name != "recovery":
+        raise MeshHealError(f"--show-seed chooses a recovery run's trajectory; {run_dir} is a {run.name} run")
     run.shown_seed  # noqa: B018 -- a seed the run lacks is refused before anything is drawn
     figures = make_plots(run)
     path = run.path / REPORT_NAME

@@ -223,12 +223,14 @@ def _timeout() -> int | None:
 
 def _parse_math(expression: str) -> list:
     """math-verify's parse of one answer expression (given without \\boxed), [] if unparsable. An
-    expression with inline math among words ("$5$ dollars") is read by math-verify's own
-    extraction of the $...$ part first: wrapped in \\boxed, the words would become symbols."""
+    expression with one inline math span among words ("$5$ dollars") is read by that span first:
+    wrapped in \\boxed, the words would become symbols. Several spans ("$1$ or $2$", which reaches
+    here as "1$ or $2") are not read so: taking one would credit a hedge."""
     mv = _math_verify()
     config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
-    if "$" in expression:
-        parsed = mv.parse(expression, config, parsing_timeout=_timeout())
+    span = re.fullmatch(r"[^$]*?(?<!\\)\$([^$]+?)(?<!\\)\$[^$]*", expression, re.DOTALL)
+    if span and span.group(1).strip() == span.group(1):  # one $...$ among words: its math is the answer
+        parsed = _parse_math(span.group(1))
         if any(_is_expression(x) for x in parsed):
             return parsed
     parsed = mv.parse("\\boxed{" + expression + "}", config, parsing_timeout=_timeout())

@@ -122,6 +122,12 @@ def test_twin_check_emulates_the_traced_configuration(trip, tmp_path, capsys):
     shutil.copy(out / "traced" / "tasks.parquet", bare)
     with pytest.raises(MeshHealError, match="config.json not found"):
         C.twin_check([bare], fitted)
+    # the command checks the configurations before it fits anything
+    with pytest.raises(
+        MeshHealError, match=r"twin check of .*no-config: its configuration cannot be emulated"
+    ):
+        C.body(C.CalibrateConfig(run_dirs=(out / "traced", bare), out=tmp_path / "fresh"))
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_roundtrip_reports_what_is_not_identified(trip):
@@ -323,3 +329,29 @@ def test_named_values_round_trip_through_a_file():
     assert reparsed.review == changed.review and reparsed.p_part == changed.p_part
     with pytest.raises(MeshHealError, match="unknown parameter"):
         C.value_of(model, "p_nothing")
+
+
+def test_twin_check_counts_questions_on_the_fits_basis(tmp_path):
+    """A trace whose questions were counted from real texts (--data sample: BBH's sample questions
+    are ~90 tokens against the profile's mean of 260): the fit takes prompt bases net of the
+    profile's mean, so the twin counts every question as that mean. An inference call's prompt is
+    its base plus the question alone, so its mean is where the basis shows: the twin's is within
+    5% of the traced run's (a twin counting the real texts again was 19% short)."""
+    from meshheal_jax import runner
+
+    exp = runner.Experiment(name="main", datasets=("bbh",), pairs=("default",), seeds=(0, 1), n_tasks=252,
+                            live=runner.LiveSettings((), (), data="sample"))  # fmt: skip
+    with pytest.warns(UserWarning, match="drawing with replacement"):  # 5 sample questions per type
+        runner.run(exp, tmp_path / "traced", progress=False)
+    C.calibrate([tmp_path / "traced"], tmp_path / "fit", n_boot=20)
+    (check,) = C.twin_check([tmp_path / "traced"], tmp_path / "fit", n_boot=20)
+
+    def infer_prompt(folder: Path) -> float:
+        return (
+            pl.read_parquet(folder / "calls.parquet")
+            .filter(pl.col("kind") == "infer")["prompt_tokens"]
+            .mean()
+        )
+
+    traced, twin = infer_prompt(tmp_path / "traced"), infer_prompt(Path(check["twin"]))
+    assert abs(twin - traced) <= 0.05 * traced, (traced, twin)

@@ -97,6 +97,13 @@ def test_recovery_report_shows_the_seed_asked_for(tmp_path):
         report.write_report(run_dir, show_seed=9)
 
 
+def test_show_seed_is_for_recovery_runs(main_run):
+    with pytest.raises(
+        MeshHealError, match="--show-seed chooses a recovery run's trajectory; .* is a main run"
+    ):
+        report.write_report(main_run.run_dir, show_seed=0)
+
+
 def test_agent_cells_say_never_for_a_detector_and_undefined_for_none():
     """Reintegration of a restored agent: a delay over the seeds where it came back, "never" where
     it came back in none (MeshHeal: a metric, null in every seed), "undefined" without a detector."""

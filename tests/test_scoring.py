@@ -134,6 +134,8 @@ def test_math_equivalent_forms_are_accepted(math_verify, gold, prediction):
         ),
         ("\\text{(C)}", "RESULT: \\text{(D)}"),
         ("5", "RESULT: $6$ dollars"),
+        ("2", "RESULT: $1$ or $2$"),  # a hedge: no one answer
+        ("4", "RESULT: $3$ apples, not $4$"),
         ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!526}"),
     ],
 )

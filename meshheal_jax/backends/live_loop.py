@@ -542,7 +542,11 @@ def _open_client(client, run_dir: Path | None) -> tuple[SyncLiveClient, bool]:
     try:
         live = SyncLiveClient(list(client.servers), cache=cache, retry=client.retry, api_key=client.api_key)
         if client.pair is not None:
-            check_pair_models(client.pair, live.client.model_ids)
+            try:
+                check_pair_models(client.pair, live.client.model_ids)
+            except BaseException:  # the warning made an error (-W error): the client is not handed out
+                live.close()
+                raise
         return live, True
     except BaseException:
         if cache is not None:

@@ -38,7 +38,8 @@ TRACES: dict[str, int] = {}  # method -> times its program was traced (tests: on
 
 def protocol_params(method: str, protocol: ProtocolParams):
     """The method's default parameters with the protocol settings the baselines share with MeshHeal
-    (decisions B8): the H/C/F move budget (route_limit, move_limit) of every method that routes,
+    (decisions B8): the H/C/F move budget (route_limit, move_limit) of every method whose tasks move
+    between agents (AgentNet by its own router),
     the shared routing's next-hop tie rule, and RAPS's watchdog threshold tau_to."""
     params = DEFAULT_PARAMS[method]()
     names = {f.name for f in dataclasses.fields(params)}
