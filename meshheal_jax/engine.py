@@ -539,10 +539,11 @@ class Rows:
 
 
 def observe(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
-            detector: str = "relative", reset: str = "never") -> tuple[Net, Observation]:  # fmt: skip
+            detector: str = "relative", reset: str = "never", probe=True) -> tuple[Net, Observation]:  # fmt: skip
     """Record author i's final score q with the (static) detector; see observe_relative. `reset`
-    (static; config.WINDOW_RESET): when an author loses its evidence (`clear_evidence`)."""
-    rows, obs = observe_rows(p, world, net, i, task_type, s, q, t, evidence, detector)
+    (static; config.WINDOW_RESET): when an author loses its evidence (`clear_evidence`). `probe`:
+    whether the output was a recovery probe's (only those move an isolated author, `_decide`)."""
+    rows, obs = observe_rows(p, world, net, i, task_type, s, q, t, evidence, detector, probe)
     return reset_evidence(reset, write_rows(net, i, task_type, s, rows), i, obs), obs
 
 
@@ -580,13 +581,13 @@ def clear_evidence(net: Net, agents, cleared) -> Net:
 
 
 def observe_rows(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
-                 detector: str = "relative") -> tuple[Rows, Observation]:  # fmt: skip
+                 detector: str = "relative", probe=True) -> tuple[Rows, Observation]:  # fmt: skip
     """The rows one observation writes and what it records, read from `net` (nothing written)."""
     if detector == "absolute":
-        return observe_absolute(p, net, i, task_type, s, q, t, evidence)
+        return observe_absolute(p, net, i, task_type, s, q, t, evidence, probe)
     if detector == "cusum":
-        return observe_cusum(p, net, i, task_type, s, q, t, evidence)
-    return observe_relative(p, world, net, i, task_type, s, q, t, evidence)
+        return observe_cusum(p, net, i, task_type, s, q, t, evidence, probe)
+    return observe_relative(p, world, net, i, task_type, s, q, t, evidence, probe)
 
 
 def write_rows(net: Net, i, task_type, s, rows: Rows) -> Net:
@@ -627,12 +628,16 @@ def _own_score(net: Net, i, task_type, s, q, evidence):
     return row, count, window_mean(row, count)
 
 
-def _decide(net: Net, i, t, defined, z, new, consecutive, reason) -> tuple[tuple, Observation]:
-    """A formed decision (`defined`) -> (state, counter, probe timer on entering isolation), record."""
+def _decide(net: Net, i, t, defined, z, new, consecutive, reason, probe=True) -> tuple[tuple, Observation]:
+    """A formed decision (`defined`) -> (state, counter, probe timer on entering isolation), record.
+    An isolated author's non-probe output (several slots only: isolated by another task's evidence
+    while this output was under review) moves nothing: §5, "isolated (only probe outputs reach
+    here)"; its score and shortfall are kept and its z recorded (decisions S12)."""
     before = net.state[i]
-    new = jnp.where(defined, new, before)
-    reason = jnp.where(defined, reason, 0)
-    consecutive = jnp.where(defined, consecutive, net.consecutive[i])
+    moves = defined & ((before != ISOLATED) | probe)
+    new = jnp.where(moves, new, before)
+    reason = jnp.where(moves, reason, 0)
+    consecutive = jnp.where(moves, consecutive, net.consecutive[i])
     entered = (new == ISOLATED) & (before != ISOLATED)
     timer = jnp.where(entered, t, net.probe_timer[i])
     return (new, consecutive, timer), Observation(z=jnp.where(defined, z, 0.0), z_defined=defined, before=before,
@@ -649,14 +654,16 @@ def _rows(net: Net, i, task_type, s, score_row, count, mean, decision, cusum=Non
                 probe_timer=timer)  # fmt: skip
 
 
-def observe_absolute(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Rows, Observation]:
+def observe_absolute(
+    p: Params, net: Net, i, task_type, s, q, t, evidence, probe=True
+) -> tuple[Rows, Observation]:
     """Absolute detector: z_abs = (threshold - own mean score of (type, s)) / scale, formed after
     warm-up from the min_obs-th score on, into the alpha/beta state machine of §5 step 9."""
     row, count, mean = _own_score(net, i, task_type, s, q, evidence)
     defined = evidence & (t > p.warmup) & (count >= p.min_obs)
     z = (p.abs_threshold - mean) / p.abs_scale
     new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
-    decision, obs = _decide(net, i, t, defined, z, new, consecutive, reason)
+    decision, obs = _decide(net, i, t, defined, z, new, consecutive, reason, probe)
     return _rows(net, i, task_type, s, row, count, mean, decision), obs
 
 
@@ -674,7 +681,9 @@ def next_state_cusum(p: Params, state, stat):
     return new.astype(jnp.int32), reason.astype(jnp.int32)
 
 
-def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple[Rows, Observation]:
+def observe_cusum(
+    p: Params, net: Net, i, task_type, s, q, t, evidence, probe=True
+) -> tuple[Rows, Observation]:
     """CUSUM detector (Page 1954): S <- max(0, S + (target - q) - k) per (agent, type, ability) on
     every final score; transitions after warm-up from the min_obs-th score on."""
     stat = net.cusum[i, task_type, s]
@@ -682,12 +691,12 @@ def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence) -> tuple
     row, count, mean = _own_score(net, i, task_type, s, q, evidence)
     defined = evidence & (t > p.warmup) & (count >= p.min_obs)
     new, reason = next_state_cusum(p, net.state[i], stat)
-    decision, obs = _decide(net, i, t, defined, stat, new, net.consecutive[i], reason)
+    decision, obs = _decide(net, i, t, defined, stat, new, net.consecutive[i], reason, probe)
     return _rows(net, i, task_type, s, row, count, mean, decision, cusum=stat), obs
 
 
 def observe_relative(
-    p: Params, world: World, net: Net, i, task_type, s, q, t, evidence
+    p: Params, world: World, net: Net, i, task_type, s, q, t, evidence, probe=True
 ) -> tuple[Rows, Observation]:
     """The peer-relative detector (§5): author i's final score q for (task_type, s) at task t when
     `evidence` (else i's rows come back unchanged). Reads i's rows and its neighbours' rows; returns
@@ -725,7 +734,7 @@ def observe_relative(
         0.0,
     )
     new, consecutive, reason = next_state(p, net.state[i], net.consecutive[i], z)
-    (new, consecutive, timer), obs = _decide(net, i, t, defined, z, new, consecutive, reason)
+    (new, consecutive, timer), obs = _decide(net, i, t, defined, z, new, consecutive, reason, probe)
     rows = Rows(scores=score_row, score_count=score_count, shortfalls=shortfall_row, shortfall_count=n_x,
                 score_mean=score_mean, shortfall_mean=own, cusum=jnp.float64(0.0), state=new,
                 consecutive=consecutive, probe_timer=timer)  # fmt: skip
@@ -776,7 +785,7 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
     used = jnp.arange(width) < picked.sum()
     ev = at(evidence, slot_of)
     rows, obs = jax.vmap(lambda e: observe_rows(p, world, net, e.author, e.task_type, e.ability, e.q, e.t, e.valid,
-                                                detector))(ev)  # fmt: skip
+                                                detector, e.probe))(ev)  # fmt: skip
     # padding rows write the first writer's cell with its rows (equal values written twice), or,
     # with no writer, an unchanged cell: every scatter index is valid
     cell = (jnp.clip(ev.author[0], 0, n - 1), ev.task_type[0], ev.ability[0])
@@ -1253,6 +1262,7 @@ class Evidence:
     ability: jax.Array
     q: jax.Array
     t: jax.Array
+    probe: jax.Array  # bool: a recovery probe's output
 
 
 def absorb_decide(
@@ -1289,8 +1299,10 @@ def absorb_decide(
     n_rev = reviewers.sum()
     ka = pick_from_mask(u_route[D.COMMITTEE_A], reviewers)
     kb = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], reviewers.at[ka].set(False)), ka)
-    a = jnp.where(ka >= 0, nb[jnp.maximum(ka, 0)], -1)
-    b = jnp.where(kb >= 0, nb[jnp.maximum(kb, 0)], -1)
+    # no eligible reviewer left since the initial review (several slots only: another task's
+    # evidence changed the states in between): its reviewer sits alone, A = B (decisions S11)
+    a = jnp.where(ka >= 0, nb[jnp.maximum(ka, 0)], slot.reviewer)
+    b = jnp.where(kb >= 0, nb[jnp.maximum(kb, 0)], slot.reviewer)
     if cfg.variant == "single_reviewer":  # the initial reviewer in two isolated contexts
         a = b = slot.reviewer
     after_review = dataclasses.replace(slot, samples=x, q0=q0, s_u=s_u, committee=committee, q=q0,
@@ -1322,7 +1334,7 @@ def absorb_decide(
         committee=new.committee, member_a=new.member_a, member_b=new.member_b, round1=new.round1,
         round2=new.round2, q=new.q, takeover=new.committee & (phase == SYNTH), obs=_empty_review().obs,
     )  # fmt: skip
-    return new, Evidence(evidence, accepted, author, ty, s, new.q, t), record
+    return new, Evidence(evidence, accepted, author, ty, s, new.q, t, slot.probe_visit), record
 
 
 def absorb_route(
@@ -1353,7 +1365,7 @@ def absorb_slot(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slot
     """One slot, start to end: decide, observe, route. Returns (net, slot, record)."""
     new, ev, record = absorb_decide(cfg, p, world, net, slot, resp, draws_t)
     net, obs = observe(p, world, net, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, cfg.detector,
-                       cfg.window_reset)  # fmt: skip
+                       cfg.window_reset, ev.probe)  # fmt: skip
     if cfg.convergence == "instant":  # (hop_per_task: the tables move when tasks start)
         net = refresh_distances(world, net, isolation_changed(obs))
     probed, new = absorb_route(cfg, p, world, net, slot, new, ev.accepted, draws_t)

@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from meshheal_jax import engine, metrics, reference
+from meshheal_jax import engine, metrics, reference, runner
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
@@ -381,3 +381,23 @@ def test_emulate_with_lazy_call_draws_equals_the_full_block():
         carry = step(carry)
     assert phases >= {engine.INFER, engine.GENERATE, engine.REVIEW, engine.ROUND1, engine.ROUND2,
                       engine.CANDIDATES, engine.SYNTH}  # fmt: skip
+
+
+def test_several_slots_keep_committees_on_real_agents_and_releases_to_probes(tmp_path):
+    """Two things only several tasks in flight can reach (with one slot nothing changes between an
+    output's review and its committee, and no isolated agent writes a non-probe output): every
+    eligible reviewer turned watched or isolated by another task since the initial review (the
+    committee falls back to the initial reviewer, decisions S11; it was 'agent -1', read as the last
+    agent), and an author isolated while its output was under review (that output moves no state,
+    S12; it released 5% of the isolations at 576 agents). 48 agents, 8 slots, 4,032 tasks."""
+    exp = runner.Experiment(name="scale", datasets=("bbh",), pairs=("default",), seeds=(0,), n_agents=48,
+                            n_tasks=504 * 8, degraded=None, topology="sparse", slots=8)  # fmt: skip
+    run = runner.run(exp, tmp_path / "run", progress=False)
+    assert run.calls["agent"].min() >= 0
+    committees = run.reviews.filter(pl.col("committee"))
+    assert committees.height and committees.select(pl.min("committee_a"), pl.min("committee_b")).row(0) >= (
+        0,
+        0,
+    )
+    released = run.states.filter(pl.col("from") == "isolated")
+    assert released.height and released["probe"].all()

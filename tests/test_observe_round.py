@@ -53,7 +53,18 @@ def both(detector, p, world, net, evidence, order, observations, width, later_wi
         k = order[n]
         ev = engine.at(evidence, k)
         net_, o = engine.observe(
-            p, world, net_, ev.author, ev.task_type, ev.ability, ev.q, ev.t, ev.valid, detector, reset
+            p,
+            world,
+            net_,
+            ev.author,
+            ev.task_type,
+            ev.ability,
+            ev.q,
+            ev.t,
+            ev.valid,
+            detector,
+            reset,
+            ev.probe,
         )
         return net_, engine.put(obs_, k, o)
 
@@ -101,6 +112,7 @@ def test_these_rounds_isolate_and_release(detector, reset, width, later_width):
     cleared = 0
     for seed in range(40):
         evidence, order, observations = random_round(np.random.default_rng(seed), net, world)
+        evidence = dataclasses.replace(evidence, probe=jnp.ones_like(evidence.probe))  # releases need probes
         _, (_, obs) = both(detector, p, world, net, evidence, order, observations, width, later_width, reset)
         cleared += int((np.asarray(engine.clears(reset, obs)) & np.asarray(evidence.valid)).sum())
     assert cleared > 0
@@ -123,6 +135,7 @@ def random_round(rng: np.random.Generator, net: engine.Net, world: engine.World)
         author=jnp.asarray(author, jnp.int32), task_type=jnp.asarray(rng.integers(0, 2, SLOTS), jnp.int32),
         ability=jnp.asarray(rng.integers(0, 2, SLOTS), jnp.int32),  # few cells: neighbours' writes collide
         q=jnp.asarray(rng.choice([0.0, 0.0, 0.25, 1.0, 1.0], SLOTS)), t=jnp.asarray(t, jnp.int32),
+        probe=jnp.asarray(rng.random(SLOTS) < 0.5),  # a non-probe output moves no isolated author (S12)
     )  # fmt: skip
     order = jnp.argsort(jnp.where(jnp.asarray(t) > 0, jnp.asarray(t), jnp.iinfo(jnp.int32).max)).astype(
         jnp.int32
@@ -211,3 +224,24 @@ def test_kept_means_equal_the_windows_means(detector):
     assert np.count_nonzero(np.asarray(net.score_mean)) > 100  # many windows were written
     if detector == "relative":
         assert np.count_nonzero(np.asarray(net.shortfall_mean)) > 100
+
+
+@pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
+def test_only_a_probe_output_moves_an_isolated_author(detector):
+    """decisions S12 (protocol.md §5, "isolated (only probe outputs reach here)"): with several
+    slots an author can be isolated while one of its outputs is under review; that output's score
+    is kept, its z recorded, and its state stays. A probe's output with the same score may release."""
+    p, world, net = mid_run(detector)
+    isolated = np.flatnonzero(np.asarray(net.state) == engine.ISOLATED)
+    assert isolated.size
+    released = 0
+    for i in isolated[:8]:
+        for ability in range(int(world.holds.shape[1])):
+            args = (p, world, net, int(i), 0, ability, 1.0, 5000, True, detector)
+            held_net, held = engine.observe(*args, probe=False)
+            probe_net, by_probe = engine.observe(*args, probe=True)
+            assert int(held.after) == engine.ISOLATED and int(held.reason) == 0
+            assert bool(held.z_defined) == bool(by_probe.z_defined) and float(held.z) == float(by_probe.z)
+            np.testing.assert_array_equal(held_net.scores, probe_net.scores)  # the evidence is kept alike
+            released += int(by_probe.after) != engine.ISOLATED
+    assert released > 0  # the same scores do move isolated authors when they come from probes
