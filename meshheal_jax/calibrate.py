@@ -1163,14 +1163,15 @@ def twin_experiments(run_dirs: Sequence[Path], twin_dir: Path) -> list:
 
 
 def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed: int = 0, level: float = 0.95,
-               progress: bool = False) -> list[dict]:  # fmt: skip
+               progress: bool = False, experiments: list | None = None) -> list[dict]:  # fmt: skip
     """spec/calibrate.md's check: each traced run's configuration (twin_experiments) emulated with
     the fitted files in `twin_dir`, its accuracy, calls and tokens per task (overall and per
     phase) against the traced run's (compare_runs). The twin runs go to twin_dir/twin-check/<k>
-    (made anew each time: the files they read may have been refitted)."""
+    (made anew each time: the files they read may have been refitted). `experiments`: those
+    twin_experiments built already (the command checks them before it fits)."""
     from meshheal_jax import runner  # the JAX engine only when the check runs
 
-    experiments = twin_experiments(run_dirs, twin_dir)
+    experiments = twin_experiments(run_dirs, twin_dir) if experiments is None else experiments
     folder = Path(twin_dir) / "twin-check"
     shutil.rmtree(folder, ignore_errors=True)
     out = []
@@ -1287,14 +1288,22 @@ def body(cfg: CalibrateConfig) -> None:
         return
     if cfg.out is None:
         raise MeshHealError("--out DIR is required (the folder of fitted parameter files)")
-    if cfg.check:
-        twin_experiments(cfg.run_dirs, cfg.out)  # a folder the check cannot emulate is named before the fit
+    # a folder the twin check cannot emulate is named before the fit
+    experiments = twin_experiments(cfg.run_dirs, cfg.out) if cfg.check else None
     result, _ = calibrate(cfg.run_dirs, cfg.out, cfg.base_params_dir, cfg.bootstrap, cfg.seed, cfg.min_n,
                           cfg.per_type, cfg.level)  # fmt: skip
     if not cfg.quiet:
         print_fit(result, cfg.level)
     if cfg.check:
-        check = twin_check(cfg.run_dirs, cfg.out, cfg.bootstrap, cfg.seed, cfg.level, progress=not cfg.quiet)
+        check = twin_check(
+            cfg.run_dirs,
+            cfg.out,
+            cfg.bootstrap,
+            cfg.seed,
+            cfg.level,
+            progress=not cfg.quiet,
+            experiments=experiments,
+        )
         if not cfg.quiet:
             print_twin_check(check, cfg.level)
     print(f"fitted files and calibration.json: {cfg.out} (use it as --params-dir {cfg.out})")

@@ -581,7 +581,7 @@ def clear_evidence(net: Net, agents, cleared) -> Net:
 
 
 def observe_rows(p: Params, world: World, net: Net, i, task_type, s, q, t, evidence,
-                 detector: str = "relative", probe=True) -> tuple[Rows, Observation]:  # fmt: skip
+                 detector: str, probe) -> tuple[Rows, Observation]:  # fmt: skip
     """The rows one observation writes and what it records, read from `net` (nothing written)."""
     if detector == "absolute":
         return observe_absolute(p, net, i, task_type, s, q, t, evidence, probe)
@@ -628,7 +628,7 @@ def _own_score(net: Net, i, task_type, s, q, evidence):
     return row, count, window_mean(row, count)
 
 
-def _decide(net: Net, i, t, defined, z, new, consecutive, reason, probe=True) -> tuple[tuple, Observation]:
+def _decide(net: Net, i, t, defined, z, new, consecutive, reason, probe) -> tuple[tuple, Observation]:
     """A formed decision (`defined`) -> (state, counter, probe timer on entering isolation), record.
     An isolated author's non-probe output (several slots only: isolated by another task's evidence
     while this output was under review) moves nothing: §5, "isolated (only probe outputs reach
@@ -654,9 +654,7 @@ def _rows(net: Net, i, task_type, s, score_row, count, mean, decision, cusum=Non
                 probe_timer=timer)  # fmt: skip
 
 
-def observe_absolute(
-    p: Params, net: Net, i, task_type, s, q, t, evidence, probe=True
-) -> tuple[Rows, Observation]:
+def observe_absolute(p: Params, net: Net, i, task_type, s, q, t, evidence, probe) -> tuple[Rows, Observation]:
     """Absolute detector: z_abs = (threshold - own mean score of (type, s)) / scale, formed after
     warm-up from the min_obs-th score on, into the alpha/beta state machine of §5 step 9."""
     row, count, mean = _own_score(net, i, task_type, s, q, evidence)
@@ -681,9 +679,7 @@ def next_state_cusum(p: Params, state, stat):
     return new.astype(jnp.int32), reason.astype(jnp.int32)
 
 
-def observe_cusum(
-    p: Params, net: Net, i, task_type, s, q, t, evidence, probe=True
-) -> tuple[Rows, Observation]:
+def observe_cusum(p: Params, net: Net, i, task_type, s, q, t, evidence, probe) -> tuple[Rows, Observation]:
     """CUSUM detector (Page 1954): S <- max(0, S + (target - q) - k) per (agent, type, ability) on
     every final score; transitions after warm-up from the min_obs-th score on."""
     stat = net.cusum[i, task_type, s]
@@ -696,7 +692,7 @@ def observe_cusum(
 
 
 def observe_relative(
-    p: Params, world: World, net: Net, i, task_type, s, q, t, evidence, probe=True
+    p: Params, world: World, net: Net, i, task_type, s, q, t, evidence, probe
 ) -> tuple[Rows, Observation]:
     """The peer-relative detector (§5): author i's final score q for (task_type, s) at task t when
     `evidence` (else i's rows come back unchanged). Reads i's rows and its neighbours' rows; returns

@@ -145,6 +145,11 @@ def agent_outcomes(states: pl.DataFrame, schedule: HealthSchedule) -> list[dict]
 NOT_AUDITED_ACTIONS = ("self_evaluate",)
 
 
+def _mean(df: pl.DataFrame, col: str) -> float | None:
+    """A column's mean (booleans as 0/1), None for no rows."""
+    return float(df[col].cast(pl.Float64).mean()) if df.height else None
+
+
 def review_audit(reviews: pl.DataFrame) -> dict:
     """Review audit on non-probe outputs, without SAC's self-scores; probe outputs reported apart
     (probe_*: their number, mean q, and per author health their number, mean q0 and q, and the
@@ -163,15 +168,11 @@ def review_audit(reviews: pl.DataFrame) -> dict:
     right_to_wrong = fin_take.filter(pl.col("correct_before") & ~pl.col("correct_after")).height
     probes = reviews.filter(pl.col("probe"))
     probe_h, probe_d = probes.filter(~pl.col("author_degraded")), probes.filter(pl.col("author_degraded"))
-
-    def mean(df: pl.DataFrame, col: str) -> float | None:
-        return df[col].mean() if df.height else None
-
     return {
         "outputs_healthy": healthy.height,
         "outputs_degraded": degraded.height,
-        "mean_q0_healthy": healthy["q0"].mean() if healthy.height else None,
-        "mean_q0_degraded": degraded["q0"].mean() if degraded.height else None,
+        "mean_q0_healthy": _mean(healthy, "q0"),
+        "mean_q0_degraded": _mean(degraded, "q0"),
         "committee_rate": _ratio(r["committee"].sum(), r.height),
         "committee_share_degraded": _ratio(degraded["committee"].sum(), degraded.height),
         "initial_recall": _ratio(flagged_d.height, degraded.height),
@@ -191,10 +192,10 @@ def review_audit(reviews: pl.DataFrame) -> dict:
         "takeover_right_to_wrong": _ratio(right_to_wrong, n_take),
         "takeover_unchanged": _ratio(n_take - wrong_to_right - right_to_wrong, n_take),
         "probe_outputs": probes.height,
-        "probe_mean_q": mean(probes, "q"),
+        "probe_mean_q": _mean(probes, "q"),
         **{f"probe_{key}_{health}": value
            for health, df in (("healthy", probe_h), ("degraded", probe_d))
-           for key, value in (("outputs", df.height), ("mean_q0", mean(df, "q0")), ("mean_q", mean(df, "q")),
+           for key, value in (("outputs", df.height), ("mean_q0", _mean(df, "q0")), ("mean_q", _mean(df, "q")),
                               ("low", _ratio(low("q", df).height, df.height)))},
     }  # fmt: skip
 
@@ -314,17 +315,13 @@ def stream_metrics(
     tasks = tasks.sort("t")
     tasks = tasks.with_columns(pl.Series("any_degraded", degraded_rows[tasks["t"].to_numpy() - 1]))
     healthy, degraded = tasks.filter(~pl.col("any_degraded")), tasks.filter(pl.col("any_degraded"))
-
-    def mean(df: pl.DataFrame, col: str) -> float | None:
-        return float(df[col].cast(pl.Float64).mean()) if df.height else None
-
-    acc_h, acc_d = mean(healthy, "correct"), mean(degraded, "correct")
+    acc_h, acc_d = _mean(healthy, "correct"), _mean(degraded, "correct")
     parse, parse_phases = parse_counts(calls, tasks, len(phase_names)) if calls is not None else ({}, None)
     phases = []
     for k, name in enumerate(phase_names):
         part = tasks.filter(pl.col("phase") == k)
-        phases.append({"name": name, "acc": mean(part, "correct"), "tokens_per_task": mean(part, "tokens"),
-                       "calls_per_task": mean(part, "calls"), **(parse_phases[k] if parse_phases else {})})  # fmt: skip
+        phases.append({"name": name, "acc": _mean(part, "correct"), "tokens_per_task": _mean(part, "tokens"),
+                       "calls_per_task": _mean(part, "calls"), **(parse_phases[k] if parse_phases else {})})  # fmt: skip
     to_isolated = states.filter(pl.col("to") == "isolated")
     false_iso = to_isolated.filter(~pl.col("degraded"))
     agents = agent_outcomes(states, schedule) if per_agent else []
@@ -333,10 +330,10 @@ def stream_metrics(
         "acc_healthy": acc_h,
         "acc_degraded": acc_d,
         "phase_change": None if acc_h is None or acc_d is None else acc_d - acc_h,
-        "calls_per_task_healthy": mean(healthy, "calls"),
-        "calls_per_task_degraded": mean(degraded, "calls"),
-        "tokens_per_task_healthy": mean(healthy, "tokens"),
-        "tokens_per_task_degraded": mean(degraded, "tokens"),
+        "calls_per_task_healthy": _mean(healthy, "calls"),
+        "calls_per_task_degraded": _mean(degraded, "calls"),
+        "tokens_per_task_healthy": _mean(healthy, "tokens"),
+        "tokens_per_task_degraded": _mean(degraded, "tokens"),
         "unanswered": int((~tasks["answered"]).sum()),
         "unreviewed_outputs": int(tasks["unreviewed"].sum()),
         **parse,
