@@ -55,6 +55,9 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
         raise MeshHealError(f"{what} must be distinct, got {list(given)}")
 
 
+ARM_FLAGS = {"ablate": "--variants", "detectors": "--detectors"}  # what names a command's arms
+
+
 def run_all(
     name: str,
     experiments: dict[str, runner.Experiment],
@@ -64,8 +67,10 @@ def run_all(
     checkpoint_every: float = CHECKPOINT_EVERY_S,
 ) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary
-    (`lanes`, `checkpoint_every`: runner.run's)."""
+    (`lanes`, `checkpoint_every`: runner.run's). A folder holding another key's run is refused
+    (runner.check_arms)."""
     runner.check_lanes(lanes)
+    runner.check_arms(out, list(experiments), ARM_FLAGS.get(name, "arms"))
     for key, exp in experiments.items():  # every configuration checked before anything runs
         runner.with_recorded_commits(exp, out / key).validate()  # (a resume reads its recorded commits)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
+import threading
 import tomllib
 import warnings
 from collections.abc import Callable
@@ -268,12 +270,24 @@ STOPPED = ("stopped: finished streams and MeshHeal's checkpoints are kept in the
            "command with --out set to it (runs/<experiment>-<time> if you gave none) to resume")  # fmt: skip
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a job scheduler), raised where Ctrl-C's KeyboardInterrupt would be, so a
+    run stops the same way: checkpoints written, finished streams kept."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def entrypoint(config_type: type, body: Callable, description: str, stopped: str = STOPPED) -> None:
     """Parse flags, run body(config); the project's warnings print one line each. A MeshHealError
     (bad input) prints one line and exits with status 2; an OSError (a folder that cannot be made,
-    a full disk) one line naming the file, status 1; Ctrl-C one line saying what is kept (`stopped`:
-    by default what an experiment's run folder keeps), status 130."""
+    a full disk) one line naming the file, status 1; running out of memory one line, status 1;
+    Ctrl-C or SIGTERM one line saying what is kept (`stopped`: by default what an experiment's run
+    folder keeps), status 130 or 143."""
     warnings.formatwarning = _warning_line
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         config = tyro.cli(config_type, description=description)
         body(config)
@@ -283,9 +297,16 @@ def entrypoint(config_type: type, body: Callable, description: str, stopped: str
     except OSError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except MemoryError:
+        print("error: out of memory (a network, stream or batch too large for this machine: fewer agents, "
+              "seeds, tasks or --slots)", file=sys.stderr)  # fmt: skip
+        sys.exit(1)
+    except KeyboardInterrupt as err:
         print(stopped, file=sys.stderr)
-        sys.exit(130)
+        sys.exit(143 if isinstance(err, Terminated) else 130)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
 
 
 def fmt(s: dict | None, digits: int = 3, scale: float = 1.0) -> str:

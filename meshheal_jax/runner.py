@@ -862,6 +862,20 @@ class Results:
     states: pl.DataFrame
     calls: pl.DataFrame
     summary: dict
+    resumed: bool = False  # the folder held finished streams or checkpoints when this call began
+
+
+def check_arms(out: Path, arms: Sequence[str], flag: str) -> None:
+    """A command running one run folder per arm (scale's topologies, ablate's variants, detectors'
+    detectors) resumes into `out` only if every arm already there is one it runs: otherwise its
+    combined summary would leave finished arms out, or mix settings the per-arm check never sees."""
+    if not out.is_dir():
+        return
+    held = sorted(p.name for p in out.iterdir() if (p / "config.json").exists())
+    extra = [a for a in held if a not in arms]
+    if extra:
+        raise MeshHealError(f"{out} holds the run(s) of {', '.join(extra)}, which this command does not run "
+                            f"(it runs {', '.join(arms)}): give the same {flag} to resume it, or another --out")  # fmt: skip
 
 
 def check_lanes(lanes: int | None) -> None:
@@ -887,6 +901,10 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
         raise MeshHealError(f"--checkpoint-every must be >= 0 seconds, got {checkpoint_every}")
     run_dir = prepare_run_dir(exp, out)
     todo = [s for s in exp.streams() if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
+    kept, saved = len(exp.streams()) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
+    if progress and (kept or saved):
+        print(f"resuming {run_dir}: {kept} of {len(exp.streams())} streams already finished"
+              + (f", {saved} with a checkpoint" if saved else ""), flush=True)  # fmt: skip
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
@@ -966,7 +984,8 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     if exp.backend == "live":
         summary["server_prefix"] = server_prefix_savings(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary)
+    return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary,
+                   resumed=bool(kept or saved))  # fmt: skip
 
 
 def server_prefix_savings(run_dir: Path) -> dict:

@@ -111,15 +111,15 @@ def body(cfg: ScaleConfig) -> None:
     if out.exists() and not out.is_dir():
         raise MeshHealError(f"output path {out} exists and is not a folder")
     results, engine, backend, slots = [], None, None, None
+    runner.check_arms(out, topologies(cfg), "--sparse / --compare")
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
-        resumed = (out / topology / "config.json").exists()  # wall_s is then this run's part only
         start = time.perf_counter()
         run = runner.run(exp, out / topology, progress=not cfg.quiet, **cfg.run_options())
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - start  # a resumed run's: this call's part only
         engine, backend, slots = run.summary["engine"], run.summary["backend"], run.summary["slots"]
         for r in run.summary["results"]:
-            results.append({**r, "run_dir": str(run.run_dir), "wall_s": wall, "resumed": resumed})
+            results.append({**r, "run_dir": str(run.run_dir), "wall_s": wall, "resumed": run.resumed})
     summary = {"experiment": "scale", "engine": engine, "backend": backend, "slots": slots,
                "n_agents": cfg.agents, "results": results}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -7,8 +7,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -275,8 +277,9 @@ def test_resume_after_losing_a_stream_and_the_summary(tmp_path):
     (out / "summary.json").unlink()
     shutil.rmtree(out / "parts" / "meshheal-math-default-seed1")
 
-    second = cli("main", *args, cwd=tmp_path)
+    second = cli("main", *args[:-3], "--out", str(out), cwd=tmp_path)  # not --quiet: it says it resumes
     assert second.returncode == 0, second.stderr
+    assert f"resuming {out}: 1 of 2 streams already finished" in second.stdout
     assert (out / "parts" / "meshheal-math-default-seed1").is_dir()
     assert kept.stat().st_mtime_ns == kept_stat.st_mtime_ns  # the finished stream was not re-run
     assert json.loads((out / "summary.json").read_text()) == summary
@@ -403,25 +406,57 @@ def test_profiles_sharing_a_dataset_id_are_warned_of(tmp_path):
         exp.validate()
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt, NotADirectoryError])
-def test_ctrl_c_and_file_system_errors_print_one_line(stop, monkeypatch, capsys):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "no such folder", "out of memory"])
+def test_ctrl_c_sigterm_and_system_errors_print_one_line(stop, monkeypatch, capsys):
     @dataclasses.dataclass
     class Nothing:
         pass
 
     def body(_config: Nothing) -> None:
-        raise KeyboardInterrupt if stop is KeyboardInterrupt else stop(20, "Not a directory", "/x/run")
+        if stop == "ctrl-c":
+            raise KeyboardInterrupt
+        if stop == "sigterm":  # what `timeout` and job schedulers send: stopped as Ctrl-C stops
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        if stop == "out of memory":
+            raise MemoryError
+        raise NotADirectoryError(20, "Not a directory", "/x/run")
 
     from meshheal_jax import cli as cli_module
 
     monkeypatch.setattr(sys, "argv", ["command"])
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as ended:
         cli_module.entrypoint(Nothing, body, "a command")
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
     err = capsys.readouterr().err.strip()
-    if stop is KeyboardInterrupt:
-        assert ended.value.code == 130 and err == cli_module.STOPPED
-    else:
-        assert ended.value.code == 1 and err == "error: [Errno 20] Not a directory: '/x/run'"
+    code, message = {
+        "ctrl-c": (130, cli_module.STOPPED),
+        "sigterm": (143, cli_module.STOPPED),
+        "no such folder": (1, "error: [Errno 20] Not a directory: '/x/run'"),
+        "out of memory": (1, None),
+    }[stop]
+    assert ended.value.code == code
+    assert err == message if message else err.startswith("error: out of memory (") and "\n" not in err
+
+
+def test_a_command_refuses_a_folder_holding_arms_it_does_not_run(tmp_path):
+    """ablate / detectors / scale: every arm already in --out must be one the command runs, or the
+    combined summary would drop it (or mix its settings with the new arms')."""
+    from meshheal_jax import runner
+
+    (tmp_path / "no_takeover").mkdir()
+    (tmp_path / "no_takeover" / "config.json").write_text("{}")
+    runner.check_arms(tmp_path, ["full", "single_reviewer", "no_takeover"], "--variants")  # a superset: fine
+    with pytest.raises(MeshHealError, match=r"holds the run\(s\) of no_takeover.*give the same --variants"):
+        runner.check_arms(tmp_path, ["full"], "--variants")
+    runner.check_arms(tmp_path / "nowhere", ["full"], "--variants")  # nothing there yet
+    (tmp_path / "scale" / "complete").mkdir(parents=True)
+    (tmp_path / "scale" / "complete" / "config.json").write_text("{}")
+    for command, args in (("ablate", ("--variants", "full")), ("scale", ("--agents", "96", "--sparse"))):
+        out = tmp_path if command == "ablate" else tmp_path / "scale"
+        proc = cli(command, *args, "--seeds", "1", "--quiet", "--out", str(out), cwd=tmp_path)
+        assert proc.returncode == 2 and "which this command does not run" in proc.stderr, proc.stderr
 
 
 def test_a_damaged_finished_stream_runs_again(main_run, tmp_path):
