@@ -502,6 +502,10 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+_LOST_CONFIG = ("; to resume, restore its config.json (the one the same command writes into a new folder "
+                "serves), or choose another --out; {out}/parts is left as it is")  # fmt: skip
+
+
 def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     """Create a new run folder, or reopen one holding the same experiment (resume)."""
     if out is None:
@@ -515,7 +519,8 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
             try:
                 previous = json.loads(config_path.read_text())
             except json.JSONDecodeError:
-                raise MeshHealError(f"output folder {out} has an unreadable config.json") from None
+                raise MeshHealError(f"output folder {out} has an unreadable config.json{_LOST_CONFIG.format(out=out)}"
+                                    if (out / "parts").is_dir() else f"output folder {out} has an unreadable config.json") from None  # fmt: skip
             if not previous.get(RUN_MARKER):
                 raise MeshHealError(f"output folder {out} exists and is not a run folder")
             if "methods" not in previous.get("experiment", {}):
@@ -544,6 +549,9 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
                     "choose another --out, or restore the file(s) to resume"
                 )
             return out
+        if (out / "parts").is_dir():
+            raise MeshHealError(f"output folder {out} holds finished streams (parts/) but no config.json"
+                                f"{_LOST_CONFIG.format(out=out)}")  # fmt: skip
         if any(out.iterdir()):
             raise MeshHealError(f"output folder {out} exists and is not a run folder")
     out.mkdir(parents=True, exist_ok=True)

@@ -660,3 +660,16 @@ def test_output_paths_that_cannot_be_written_are_refused_first(tmp_path):
     proc = cli("calibration_report", "--json-out", str(tmp_path), "--quiet", "--out", str(tmp_path / "run"),
                cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2 and "--json-out" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_folder_that_lost_its_config_says_how_to_resume(tmp_path):
+    exp = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42)
+    out = tmp_path / "run"
+    (out / "parts" / "meshheal-math-default-seed0").mkdir(parents=True)
+    with pytest.raises(
+        MeshHealError, match=r"holds finished streams \(parts/\) but no config.json; to resume, restore"
+    ):
+        prepare_run_dir(exp, out)
+    (out / "config.json").write_text('{"trunc')
+    with pytest.raises(MeshHealError, match=r"unreadable config.json; to resume, restore its config.json"):
+        prepare_run_dir(exp, out)
