@@ -61,7 +61,12 @@ task, so the round trip compares accuracy / calls / tokens with intervals over s
 Not identified: p_decide (MeshHeal makes no baseline decision calls), n_distractors and
 p_popular_wrong (traces record right/wrong, not which wrong answer), and any cell with fewer than
 --min-n observations (e.g. a model that never reviewed a weak author): they keep the base file's
-values (--base-params-dir, default the packaged files) and calibration.json says so. The output
+values (--base-params-dir, default the packaged files) and calibration.json says so. Nor are the
+optional structure parameters (difficulty_spread, review_difficulty, draft_blame; decisions E9,
+E10): no estimator here separates them from the marginal rates, so the base file's values are kept,
+named in each written file's header and in calibration.json's `structure_kept` (with a non-zero
+spread kept, the marginal p_part fitted here is then shifted by that difficulty again), nor the
+token figures of the baselines' own kinds (compose, refine, cot: MeshHeal makes no such call). The output
 folder holds every base file (fitted ones rewritten), so it works as `--params-dir` on any pair.
 
 The twin check (spec/calibrate.md; on unless --no-check; decisions C7): each traced run's
@@ -94,8 +99,10 @@ from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import (
     ANCHORS,
     AUTHOR_ROLES,
+    BASELINE_TOKEN_KINDS,
     CALL_KINDS,
     MODEL_DIR,
+    OPTIONAL,
     PAIRS,
     SCALARS,
     ModelParams,
@@ -919,6 +926,19 @@ def base_models(base_dir: Path, stems: Sequence[str]) -> dict[str, ModelParams]:
     return {stem: load_model(stem, base_dir) for stem in stems}
 
 
+def interval_notes(estimates: dict[str, Estimate], level: float) -> dict[str, str]:
+    """The comment written beside each value of a fitted file (spec/calibrate.md: intervals beside
+    each value): its interval and count, or why the base file's value was kept."""
+    notes = {}
+    for name, e in estimates.items():
+        if not e.identified:
+            notes[name] = f"kept from the base file ({e.note})" if e.note else "kept from the base file"
+        elif e.written:
+            interval = _json_value(e.interval(level), e.integer)
+            notes[name] = f"{level * 100:g}% interval {interval}, n {e.n}".replace("None", "nan")
+    return notes
+
+
 def write_twin(result: Fit, out: Path, base_dir: Path, sources: Sequence[str], truth: Sequence[bool],
                level: float = 0.95) -> dict:  # fmt: skip
     """Write every base file into `out` (fitted ones with the fitted values) and calibration.json;
@@ -932,17 +952,22 @@ def write_twin(result: Fit, out: Path, base_dir: Path, sources: Sequence[str], t
             shutil.copyfile(path, out / path.name)
     doc = {"sources": list(sources), "truth": ["latent truth" if t else "gold answers + proxies" for t in truth],
            "bootstrap": result.n_boot, "seed": result.seed, "level": level, "min_n": result.min_n,
-           "base_params_dir": str(base_dir), "models": {}, "not_identified": [],
+           "base_params_dir": str(base_dir), "models": {}, "not_identified": [], "structure_kept": [],
            "copied": sorted(p.stem for p in base_dir.glob("*.toml") if p.stem not in result.estimates)}  # fmt: skip
     for stem, estimates in result.estimates.items():
         model = fitted_model(base[stem], estimates)
         kept = sorted(n for n, e in estimates.items() if not e.identified)
+        structure = {name: base[stem].scalars.get(name, 0.0) for name in OPTIONAL}
+        doc["structure_kept"] += [{"model": stem, "parameter": k, "value": v} for k, v in structure.items()]
         header = (f"Emulator parameters of one MODEL (spec/emulator.md); anchors {list(ANCHORS)}.\n"
                   f"Fitted by `python -m meshheal_jax.calibrate` from the traces of {', '.join(sources)}\n"
                   f"(bootstrap {result.n_boot}, seed {result.seed}; intervals in calibration.json).\n"
-                  f"Not identified by the traces, kept from {base_dir / (stem + '.toml')}: {', '.join(kept) or 'none'}.")  # fmt: skip
+                  f"Not identified by the traces, kept from {base_dir / (stem + '.toml')}: {', '.join(kept) or 'none'}.\n"
+                  f"Not estimated from MeshHeal traces, kept from it: "
+                  + ", ".join(f"{k} {v:g}" for k, v in structure.items())
+                  + f"; the baselines' token figures ({', '.join(BASELINE_TOKEN_KINDS)}).")  # fmt: skip
         path = out / f"{stem}.toml"
-        path.write_text(dump_model(model, header))
+        path.write_text(dump_model(model, header, interval_notes(estimates, level)))
         load_model(path)  # the written file parses
         params = {}
         for name, e in estimates.items():
@@ -1290,10 +1315,12 @@ def body(cfg: CalibrateConfig) -> None:
         raise MeshHealError("--out DIR is required (the folder of fitted parameter files)")
     # a folder the twin check cannot emulate is named before the fit
     experiments = twin_experiments(cfg.run_dirs, cfg.out) if cfg.check else None
-    result, _ = calibrate(cfg.run_dirs, cfg.out, cfg.base_params_dir, cfg.bootstrap, cfg.seed, cfg.min_n,
-                          cfg.per_type, cfg.level)  # fmt: skip
+    result, doc = calibrate(cfg.run_dirs, cfg.out, cfg.base_params_dir, cfg.bootstrap, cfg.seed, cfg.min_n,
+                            cfg.per_type, cfg.level)  # fmt: skip
     if not cfg.quiet:
         print_fit(result, cfg.level)
+        print("structure not estimated from traces, kept from the base files: "
+              + "; ".join(f"{k['model']} {k['parameter']} {k['value']:g}" for k in doc["structure_kept"]))  # fmt: skip
     if cfg.check:
         check = twin_check(
             cfg.run_dirs,

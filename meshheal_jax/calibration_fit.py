@@ -11,10 +11,14 @@ of calibration_report.TARGETS:
 
 (the second term pulls every primary target well inside its tolerance, so that it survives the
 report's other seeds). Outcomes (detection delays, false isolations) are never in the loss.
-Each model's latent question difficulty (`difficulty_spread`, `review_difficulty`; decisions E9)
-and its judgement of a Finalize on a wrong draft (`draft_blame`; E10) are searched too, as plain
-values clipped at 0 (and 1); `--scan-spread/--scan-review/--scan-blame` evaluates a grid of them
-on the shipped files instead of searching.
+With `--structure`, each model's latent question difficulty (`difficulty_spread`,
+`review_difficulty`; decisions E9) and its judgement of a Finalize on a wrong draft (`draft_blame`;
+E10) are searched too, as plain values clipped at 0 (and 1); `--scan-spread/--scan-review/
+--scan-blame` evaluates a grid of them on the shipped files instead of searching. Every file the
+search writes keeps round 2 at least as sharp as round 1 (spec/emulator.md; decisions E11).
+`--start DIR` begins from other files than the shipped ones (the shipped files' chain begins from
+meshheal_jax/model_params/fit_start/; docs/calibration.md gives the commands); the best
+candidate's files are written into OUT/model_params/, and with `--write` into the package.
 
 The search is a separable natural evolution strategy (SNES, Schaul et al. 2011): a Gaussian
 with a mean and one step size per coordinate; each generation draws `population` candidates
@@ -62,6 +66,7 @@ from meshheal_jax.params import (
     Pair,
     dump_model,
     parse_model,
+    sharpened,
 )
 
 DATASETS = ("bbh", "math", "mmlu_pro")
@@ -100,7 +105,8 @@ class Knob:
         return f"{self.model}." + ".".join(self.path)
 
 
-def _knobs() -> tuple[Knob, ...]:
+def _knobs(structure: bool = True) -> tuple[Knob, ...]:
+    """Every coordinate of the two models; `structure`: also the optional structure parameters."""
     out = []
     for model in ("strong", "weak"):
         out += [Knob(model, ("p_part", d)) for d in DATASETS]
@@ -109,8 +115,9 @@ def _knobs() -> tuple[Knob, ...]:
         out += [
             Knob(model, (sec, role, label), True) for sec in sections for role in ROLES for label in LABELS
         ]
-        out += [Knob(model, (k,), clip=(0.0, math.inf)) for k in DIFFICULTY]
-        out += [Knob(model, (DRAFT_BLAME,), clip=(0.0, 1.0))]
+        if structure:
+            out += [Knob(model, (k,), clip=(0.0, math.inf)) for k in DIFFICULTY]
+            out += [Knob(model, (DRAFT_BLAME,), clip=(0.0, 1.0))]
     return tuple(out)
 
 
@@ -118,8 +125,8 @@ KNOBS = _knobs()
 DIM = sum(k.size for k in KNOBS)
 
 
-def knobs_for(pair: str) -> tuple[Knob, ...]:
-    return tuple(k for k in KNOBS if k.model in FITTED[pair])
+def knobs_for(pair: str, structure: bool = False) -> tuple[Knob, ...]:
+    return tuple(k for k in _knobs(structure) if k.model in FITTED[pair])
 
 
 def _logit(p: float) -> float:
@@ -158,9 +165,35 @@ def encode(docs: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS) -> np.ndarray
     return np.asarray(x)
 
 
-def decode(x: np.ndarray, base: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS) -> dict[str, dict]:
+def _rounded(probabilities) -> list[float]:
+    """6 decimals, the last set so that the row sums to exactly 1; if the others' rounding leaves it
+    below 0, it is 0 and the largest entry takes the difference."""
+    p = [round(float(v), 6) for v in probabilities]
+    p[-1] = round(1.0 - sum(p[:-1]), 6)
+    if p[-1] < 0.0:
+        p[-1] = 0.0
+        k = p.index(max(p))
+        p[k] = round(1.0 - (sum(p) - p[k]), 6)
+    return p
+
+
+def sharpen_round2(doc: dict) -> None:
+    """Make every round-2 row of a model file at least as sharp as round 1 (params.sharpened,
+    docs/decisions.md E11); rows that already are stay as they are."""
+    for role in ROLES:
+        for label in LABELS:
+            round1, round2 = doc["review"][role][label], doc["round2"][role][label]
+            new = sharpened(tuple(round1), tuple(round2), label == "correct")
+            if new != tuple(round2):
+                doc["round2"][role][label] = _rounded(new)
+
+
+def decode(
+    x: np.ndarray, base: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS, sharpen: bool = True
+) -> dict[str, dict]:
     """Coordinates -> model files (copies of `base` with every knob set; 6 decimals, categoricals
-    summing to exactly 1)."""
+    summing to exactly 1; with `sharpen`, the round-2 rows of each searched model made at least as
+    sharp as its round 1, spec/emulator.md)."""
     docs = copy.deepcopy(base)
     k = 0
     for knob in knobs:
@@ -168,21 +201,29 @@ def decode(x: np.ndarray, base: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS
         k += knob.size
         if knob.categorical:
             w = np.exp(np.append(z, 0.0) - max(z.max(), 0.0))
-            p = [round(float(v), 6) for v in w / w.sum()]
-            p[-1] = round(1.0 - sum(p[:-1]), 6)
-            _set(docs[knob.model], knob.path, p)
+            _set(docs[knob.model], knob.path, _rounded(w / w.sum()))
         elif knob.clipped:
             _set(docs[knob.model], knob.path, round(min(max(float(z[0]), knob.clip[0]), knob.clip[1]), 6))
         else:
             _set(docs[knob.model], knob.path, round(1.0 / (1.0 + math.exp(-float(z[0]))), 6))
+    for model in {knob.model for knob in knobs} if sharpen else ():
+        sharpen_round2(docs[model])
     return docs
 
 
-def base_docs(pair: str = "default", model_dir: Path = MODEL_DIR) -> dict[str, dict]:
-    """The pair's two model files as TOML documents, keyed by role."""
-    strong, weak = PAIRS[pair]
-    return {"strong": tomllib.loads((model_dir / f"{strong}.toml").read_text()),
-            "weak": tomllib.loads((model_dir / f"{weak}.toml").read_text())}  # fmt: skip
+def base_docs(
+    pair: str = "default", model_dir: Path = MODEL_DIR, start: Path | None = None
+) -> dict[str, dict]:
+    """The pair's two model files as TOML documents, keyed by role; with `start`, the files the
+    pair's fit changes are read from that folder instead."""
+    docs = {}
+    for role, name in zip(("strong", "weak"), PAIRS[pair]):
+        folder = start if start is not None and role in FITTED[pair] else model_dir
+        path = folder / f"{name}.toml"
+        if not path.exists():
+            raise MeshHealError(f"model file {path} not found (the {pair} pair's {role} model)")
+        docs[role] = tomllib.loads(path.read_text())
+    return docs
 
 
 def pair_of(docs: dict[str, dict], pair: str = "default") -> Pair:
@@ -272,6 +313,13 @@ class FitConfig:
     """seeds the fit evaluates on (the report uses 0..4)"""
     search_seed: int = 0
     """seed of the search's own random draws"""
+    start: Path | None = None
+    """folder holding the model files the search starts from (those the pair's fit changes);
+    default: the shipped files. The shipped files' chain starts from meshheal_jax/model_params/
+    fit_start/ (docs/calibration.md)"""
+    structure: bool = False
+    """also search each model's optional structure parameters (latent difficulty, draft_blame;
+    decisions E9, E10) as clipped coordinates; off: they keep the start files' values"""
     out: Path = Path("runs/calibration-fit")
     """the search's folder: state.json after every generation (mean, step sizes, random state, the
     best candidate's files and rows); a rerun with the same folder resumes from it"""
@@ -285,7 +333,8 @@ class FitConfig:
     tokens: bool = True
     """default pair: after the search, scale the completion-token ranges to the tokens-per-task target"""
     write: bool = False
-    """write the best candidate's files into meshheal_jax/model_params/"""
+    """also write the best candidate's files into meshheal_jax/model_params/ (they are always
+    written into OUT/model_params/)"""
     scan_spread: tuple[float, ...] = ()
     """no search when any --scan-* is given: evaluate the pair's files with every (difficulty_spread,
     review_difficulty, draft_blame) of scan_spread x scan_review x scan_blame set on both models
@@ -309,7 +358,7 @@ def utilities(n: int) -> np.ndarray:
 def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dict], float]:
     if cfg.population % 2:
         raise ValueError("population must be even (mirrored sampling)")
-    base, knobs = base_docs(cfg.pair), knobs_for(cfg.pair)
+    base, knobs = base_docs(cfg.pair, start=cfg.start), knobs_for(cfg.pair, cfg.structure)
     dim = sum(k.size for k in knobs)
     origin = encode(base, knobs)
     eta_mu, eta_sigma = 1.0, (3 + math.log(dim)) / (5 * math.sqrt(dim))
@@ -323,12 +372,17 @@ def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dic
     config = {"population": cfg.population, "fit_seeds": list(cfg.fit_seeds), "sigma": cfg.sigma,
               "difficulty_sigma": cfg.difficulty_sigma,
               "search_seed": cfg.search_seed, "pair": cfg.pair, "prior": cfg.prior,
-              "knobs": [k.name for k in knobs]}  # fmt: skip
+              "start": str(cfg.start.resolve()) if cfg.start else None, "knobs": [k.name for k in knobs]}  # fmt: skip
     if state_file.exists():
         state = json.loads(state_file.read_text())
         if state["config"] != config:
-            raise MeshHealError(f"{state_file} holds a search with another configuration ({state['config']}); "
-                                f"use another --out or the same settings")  # fmt: skip
+            old = state["config"]
+            if "start" not in old:
+                raise MeshHealError(f"{state_file} holds a search from before --start and round-2 sharpening "
+                                    f"(decisions E11): use a new --out")  # fmt: skip
+            differ = sorted(k for k in old.keys() | config.keys() if old.get(k) != config.get(k))
+            raise MeshHealError(f"{state_file} holds a search with other settings ({', '.join(differ)} differ): "
+                                f"use another --out, or the same settings to resume it")  # fmt: skip
         rng = np.random.default_rng()
         rng.bit_generator.state = state["rng"]
         mean, sigma, first = np.asarray(state["mean"]), np.asarray(state["sigma"]), state["generation"]
@@ -446,6 +500,22 @@ def scan_structure(cfg: FitConfig, evaluator: Evaluator) -> list[dict]:
     return out
 
 
+def command_line(cfg: FitConfig) -> str:
+    """The search's flags as a command line (what a written file's header names): every setting that
+    changes the files, a --start inside this folder written relative to it."""
+    start = ""
+    if cfg.start is not None:
+        where = cfg.start.resolve()
+        here = Path.cwd().resolve()
+        start = f" --start {where.relative_to(here) if where.is_relative_to(here) else where}"
+    structure = f" --structure --difficulty-sigma {cfg.difficulty_sigma}" if cfg.structure else ""
+    prior = f" --prior {cfg.prior}" if cfg.pair != "default" and cfg.prior != FitConfig.prior else ""
+    tokens = " --no-tokens" if cfg.pair == "default" and not cfg.tokens else ""
+    return (f"--pair {cfg.pair} --generations {cfg.generations} --population {cfg.population} --sigma {cfg.sigma}"
+            f"{structure}{start}{prior}{tokens} --fit-seeds {' '.join(map(str, cfg.fit_seeds))} "
+            f"--search-seed {cfg.search_seed}")  # fmt: skip
+
+
 def body(cfg: FitConfig) -> None:
     evaluator = Evaluator(cfg.fit_seeds, pair=cfg.pair)
     if cfg.scans():
@@ -460,17 +530,16 @@ def body(cfg: FitConfig) -> None:
     print_report(
         rows, f"Best candidate (loss {value:.2f}) on fit seeds {list(cfg.fit_seeds)} (jax engine, slots 1)"
     )
-    if cfg.write:
-        header = ("Emulator parameters of one MODEL (spec/emulator.md); anchors [0, 0.25, 0.5, 1.0].\n"
-                  f"Fitted by `python -m meshheal_jax.calibration_fit --pair {cfg.pair} --generations "
-                  f"{cfg.generations} --population {cfg.population} --sigma {cfg.sigma} --difficulty-sigma "
-                  f"{cfg.difficulty_sigma} --write` on seeds "
-                  f"{list(cfg.fit_seeds)}.")  # fmt: skip
-        for role in FITTED[cfg.pair]:
-            name = PAIRS[cfg.pair][role == "weak"]
-            text = dump_model(parse_model(docs[role], name, name), header)
-            (MODEL_DIR / f"{name}.toml").write_text(text)
-            print(f"wrote {MODEL_DIR / f'{name}.toml'}")
+    header = ("Emulator parameters of one MODEL (spec/emulator.md); anchors [0, 0.25, 0.5, 1.0].\n"
+              f"Fitted by `python -m meshheal_jax.calibration_fit {command_line(cfg)}`.")  # fmt: skip
+    folders = [cfg.out / "model_params"] + ([MODEL_DIR] if cfg.write else [])
+    for role in FITTED[cfg.pair]:
+        name = PAIRS[cfg.pair][role == "weak"]
+        text = dump_model(parse_model(docs[role], name, name), header)
+        for folder in folders:  # the search's own folder always; the package's with --write
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{name}.toml").write_text(text)
+            print(f"wrote {folder / f'{name}.toml'}")
 
 
 def cli() -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
 
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.files import read_text
 from meshheal_jax.streams import DIFFICULTY_BINS
 from meshheal_jax.topology import MAX_TOKENS, Profile, unknown_keys, whole_number
@@ -22,6 +24,11 @@ from meshheal_jax.topology import MAX_TOKENS, Profile, unknown_keys, whole_numbe
 MODEL_DIR = Path(__file__).parent / "model_params"
 ANCHORS = (0.0, 0.25, 0.5, 1.0)
 CALL_KINDS = ("infer", "generate", "review", "committee1", "committee2", "candidate", "synthesis")
+# The baselines' generate-like kinds (spec/emulator.md: "compose / refine / extra chain-of-thought
+# samples are generate-like with their own token figures"). A file without them reads each as the
+# MeshHeal kind it resembles (decisions B0); the shipped files carry their own.
+BASELINE_TOKEN_KINDS = {"compose": "synthesis", "refine": "synthesis", "cot": "generate"}
+TOKEN_KINDS = CALL_KINDS + tuple(BASELINE_TOKEN_KINDS)
 AUTHOR_ROLES = ("strong_author", "weak_author")
 PAIRS = {
     "default": ("gpt-oss-120b", "llama-3.2-1b"),
@@ -50,6 +57,54 @@ MODEL_KEYS = ("model",) + SCALARS + OPTIONAL + (
 JUDGED_WRONG, JUDGED_RIGHT, JUDGED_RIGHT_ON_WRONG_DRAFT = range(3)
 # The difficulty z of each bin: the midpoint quantiles of a standard normal (bins are equally likely).
 DIFFICULTY_Z = tuple(NormalDist().inv_cdf((b + 0.5) / DIFFICULTY_BINS) for b in range(DIFFICULTY_BINS))
+
+
+# Where a review's verdict turns (protocol.md §4's tau_to, 0.40): a score above it accepts the
+# judged output, one at or below it flags it. A right verdict accepts a correct output or flags a
+# wrong one; "sharper" (emulator.md: a committee member's round-2 categorical "is sharper than
+# round 1") is read as: a round-2 row gives a right verdict at least as often as the model's
+# round-1 row for the same (author role, correct) (docs/decisions.md E11).
+VERDICT_THRESHOLD = 0.40
+SHARPNESS_TOLERANCE = 1e-5  # rows are written with 6 decimals
+
+
+class ModelFileWarning(MeshHealWarning):
+    """A model file that parses but breaks a rule of spec/emulator.md (a blunt round-2 row)."""
+
+
+def right_verdicts(row: tuple[float, ...] | list[float], correct: bool) -> float:
+    """The probability that a score drawn from `row` is the right verdict on a correct (or wrong)
+    judged output."""
+    return sum(p for p, a in zip(row, ANCHORS) if (a > VERDICT_THRESHOLD) == correct)
+
+
+def sharpened(round1: tuple[float, ...], round2: tuple[float, ...], correct: bool) -> tuple[float, ...]:
+    """`round2` unchanged when it gives right verdicts at least as often as `round1`; otherwise the
+    nearest row that does, keeping the shape within each side of the verdict: the right side's
+    entries scaled up to round 1's right-verdict mass, the other side's down to the rest."""
+    target, have = min(right_verdicts(round1, correct), 1.0), right_verdicts(round2, correct)
+    if have >= target:
+        return tuple(round2)
+    right = [(a > VERDICT_THRESHOLD) == correct for a in ANCHORS]
+    wrong_mass = 1.0 - have
+    n_right = sum(right)
+    return tuple(
+        (p * target / have if have > 0 else target / n_right) if is_right
+        else (p * (1.0 - target) / wrong_mass if wrong_mass > 0 else 0.0)
+        for p, is_right in zip(round2, right)
+    )  # fmt: skip
+
+
+def blunt_round2(review: dict, round2: dict) -> list[str]:
+    """The (author role, label) rows whose round-2 categorical gives right verdicts less often than
+    round 1's (empty when every round-2 row is at least as sharp)."""
+    return [
+        f"{role}.{'correct' if correct else 'wrong'} ({right_verdicts(review[(role, correct)], correct):.3f} "
+        f"-> {right_verdicts(row, correct):.3f})"
+        for (role, correct), row in round2.items()
+        if right_verdicts(row, correct)
+        < right_verdicts(review[(role, correct)], correct) - SHARPNESS_TOLERANCE
+    ]
 
 
 def shifted_probability(p: float, shift: float) -> float:
@@ -198,17 +253,19 @@ def _table(doc: dict, key: str, source: str) -> dict:
 
 
 def _per_kind(doc: dict, key: str, source: str) -> dict:
-    """completion_tokens / prompt_tokens: exactly one entry per call kind."""
+    """completion_tokens / prompt_tokens: one entry per MeshHeal call kind, and per baseline kind
+    (BASELINE_TOKEN_KINDS: the resembled kind's entry when a file leaves one out), in TOKEN_KINDS'
+    order."""
     table = _table(doc, key, source)
     missing = [k for k in CALL_KINDS if k not in table]
     if missing:
         raise MeshHealError(f"{source}: {key} is missing {', '.join(missing)}")
-    unknown = sorted(set(table) - set(CALL_KINDS))
+    unknown = sorted(set(table) - set(TOKEN_KINDS))
     if unknown:
         raise MeshHealError(
-            f"{source}: {key} has unknown call kind(s) {', '.join(unknown)}; known: {', '.join(CALL_KINDS)}"
+            f"{source}: {key} has unknown call kind(s) {', '.join(unknown)}; known: {', '.join(TOKEN_KINDS)}"
         )
-    return table
+    return {k: table.get(k, table.get(BASELINE_TOKEN_KINDS.get(k, k))) for k in TOKEN_KINDS}
 
 
 def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool], tuple[float, ...]]:
@@ -258,14 +315,20 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
                 f"{source}: p_part.{ds} must be a table such as {{ default = 0.9 }}, got {table!r}"
             )
         p_part[str(ds)] = {str(k): _probability(v, f"{source}: p_part.{ds}.{k}") for k, v in table.items()}
+    review, round2 = _categorical(doc, "review", source), _categorical(doc, "round2", source)
+    blunt = blunt_round2(review, round2)
+    if blunt:
+        warnings.warn(f"{source}: round-2 categorical(s) give right verdicts less often than round 1 "
+                      f"(spec/emulator.md: round 2 is sharper; right-verdict share round 1 -> 2): "
+                      f"{'; '.join(blunt)}", ModelFileWarning, stacklevel=2)  # fmt: skip
     return ModelParams(
         name=name,
         model=str(doc.get("model", name)),
         scalars=scalars,
         n_distractors=n_distractors,
         p_part=p_part,
-        review=_categorical(doc, "review", source),
-        round2=_categorical(doc, "round2", source),
+        review=review,
+        round2=round2,
         completion_tokens=completion,  # type: ignore[arg-type]
         prompt_tokens=prompt,
     )
@@ -316,25 +379,38 @@ def load_pair(name: str, model_dir: Path | None = None) -> Pair:
     return Pair(name, load_model(strong, model_dir), load_model(weak, model_dir))
 
 
-def dump_model(m: ModelParams, header: str = "") -> str:
-    """A model file's TOML text (the inverse of parse_model)."""
+def dump_model(m: ModelParams, header: str = "", notes: Mapping[str, str] | None = None) -> str:
+    """A model file's TOML text (the inverse of parse_model). `notes`: a comment written beside a
+    value, keyed by its path (`p_infer`, `p_part.bbh.default`, `review.strong_author.wrong`,
+    `completion_tokens.generate`, ...; a p_part line gathers its types' notes)."""
+    notes = notes or {}
+
+    def note(*keys: str) -> str:  # one line of printable text, whatever a note holds
+        clean = {k: " ".join("".join(c if c.isprintable() else " " for c in str(notes[k])).split())
+                 for k in keys if k in notes}  # fmt: skip
+        said = [f"{k.rsplit('.', 1)[-1]}: {v}" if len(keys) > 1 else v for k, v in clean.items()]
+        return f"  # {'; '.join(said)}" if said else ""
+
     lines = [f"# {line}" for line in header.splitlines()] + [f"model = {m.model!r}".replace("'", '"')]
     for key in SCALARS + OPTIONAL:
-        lines.append(f"{key} = {m.scalars.get(key, 0.0):.6g}")
-    lines.append(f"n_distractors = {m.n_distractors}")
+        lines.append(f"{key} = {m.scalars.get(key, 0.0):.6g}{note(key)}")
+    lines.append(f"n_distractors = {m.n_distractors}{note('n_distractors')}")
     lines += ["", "[p_part]"]
     for dataset, table in m.p_part.items():
         items = ", ".join(
             f'"{k}" = {v:.6g}' if " " in k or "&" in k else f"{k} = {v:.6g}" for k, v in table.items()
         )
-        lines.append(f"{dataset} = {{ {items} }}")
+        lines.append(f"{dataset} = {{ {items} }}{note(*(f'p_part.{dataset}.{k}' for k in table))}")
     for section, table in (("review", m.review), ("round2", m.round2)):
         for role in AUTHOR_ROLES:
             lines += ["", f"[{section}.{role}]"]
             for label, correct in (("correct", True), ("wrong", False)):
-                lines.append(f"{label} = [{', '.join(f'{p:.6g}' for p in table[(role, correct)])}]")
+                row = ", ".join(f"{p:.6g}" for p in table[(role, correct)])
+                lines.append(f"{label} = [{row}]{note(f'{section}.{role}.{label}')}")
     lines += ["", "[completion_tokens]"]
-    lines += [f"{k} = [{lo}, {hi}]" for k, (lo, hi) in m.completion_tokens.items()]
+    lines += [
+        f"{k} = [{lo}, {hi}]{note(f'completion_tokens.{k}')}" for k, (lo, hi) in m.completion_tokens.items()
+    ]
     lines += ["", "[prompt_tokens]"]
-    lines += [f"{k} = {v}" for k, v in m.prompt_tokens.items()]
+    lines += [f"{k} = {v}{note(f'prompt_tokens.{k}')}" for k, v in m.prompt_tokens.items()]
     return "\n".join(lines) + "\n"

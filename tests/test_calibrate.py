@@ -152,10 +152,23 @@ def test_fitted_folder_serves_every_pair(trip):
     assert {p.stem for p in fitted.glob("*.toml")} == {p.stem for p in MODEL_DIR.glob("*.toml")}
     for pair in PAIRS:
         load_pair(pair, fitted)
-    header = (fitted / "gpt-oss-120b.toml").read_text().splitlines()[:4]
+    header = (fitted / "gpt-oss-120b.toml").read_text().splitlines()[:5]
     assert any(str(out / "traced") in line for line in header)
     assert any("p_decide" in line for line in header)  # names what it kept
+    assert any(
+        "difficulty_spread 0, review_difficulty 0, draft_blame 0; the baselines" in line for line in header
+    )
     doc = json.loads((fitted / "calibration.json").read_text())
+    # intervals beside each value (spec/calibrate.md), the same as calibration.json's
+    text = (fitted / "gpt-oss-120b.toml").read_text()
+    p_infer = doc["models"]["gpt-oss-120b"]["parameters"]["p_infer"]
+    line = next(line for line in text.splitlines() if line.startswith("p_infer = "))
+    assert line.endswith(f"  # 95% interval {p_infer['interval']}, n {p_infer['n']}")
+    assert float(line.split()[2]) == pytest.approx(p_infer["value"], abs=1e-5)  # written with 5 decimals (C5)
+    assert "p_decide = 0.95  # kept from the base file" in text
+    assert {(k["model"], k["parameter"]) for k in doc["structure_kept"]} == {
+        (m, k) for m in ("gpt-oss-120b", "llama-3.2-1b") for k in ("difficulty_spread", "review_difficulty", "draft_blame")
+    }  # fmt: skip
     assert doc["copied"] == ["gemma-3-4b", "llama-3.3-70b"]
     assert (fitted / "gemma-3-4b.toml").read_text() == (MODEL_DIR / "gemma-3-4b.toml").read_text()
     assert doc["truth"] == ["latent truth"]

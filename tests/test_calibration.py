@@ -9,13 +9,23 @@ import polars as pl
 import pytest
 
 from meshheal_jax import calibration_fit as fit
-from meshheal_jax.params import parse_model
+from meshheal_jax.params import (
+    PAIRS,
+    ModelFileWarning,
+    blunt_round2,
+    load_model,
+    parse_model,
+    right_verdicts,
+    sharpened,
+)
 
 # Primary targets the fitted default files do NOT meet on the report seeds 0..4 (reference
 # engine). Each is a documented conflict (docs/calibration.md); this list must shrink, never hide.
+# Since the refit of 2026-12-06 both miss by less than 0.005 (0.854 against 0.831 ± 0.02; 0.833
+# against 0.802 ± 0.03), so an engine change that moves either fails here.
 KNOWN_PRIMARY_FAILURES = {
-    "accuracy, degraded phase, mean of 3 datasets",
-    "MATH accuracy, healthy phase",
+    "accuracy, healthy phase, mean of 3 datasets",
+    "MATH accuracy, degraded phase",
 }
 
 
@@ -113,8 +123,48 @@ def test_any_coordinates_give_valid_model_files_and_round_trip(seed):
     low = np.concatenate([[k.clip[0] if k.clipped else -np.inf] * k.size for k in fit.KNOBS])
     high = np.concatenate([[k.clip[1] if k.clipped else np.inf] * k.size for k in fit.KNOBS])
     expected = np.clip(x, low, high)  # difficulty >= 0, draft_blame in [0, 1]
-    assert np.allclose(fit.encode(docs), expected, atol=5e-3)  # 6-decimal files: small logit rounding
+    # every coordinate comes back but those of round-2 rows made sharper than round 1 (E11)
+    kept = np.concatenate([
+        [k.path[0] != "round2" or fit._get(docs[k.model], k.path) == fit._get(fit.decode(x, base, sharpen=False)[k.model], k.path)] * k.size
+        for k in fit.KNOBS
+    ])  # fmt: skip
+    assert kept.any()
+    assert np.allclose(fit.encode(docs)[kept], expected[kept], atol=5e-3)  # 6-decimal files: small rounding
+    for role in ("strong", "weak"):
+        m = parse_model(docs[role], role, role)
+        assert blunt_round2(m.review, m.round2) == []
     assert fit.base_docs() == base  # decode copies, never edits its base
+
+
+def test_sharpened_lifts_a_blunt_round2_row_to_round_1_keeping_each_side_shape():
+    round1 = (0.1, 0.1, 0.3, 0.5)  # on a correct output: right verdict (score > 0.40) 0.8
+    blunt = (0.2, 0.2, 0.2, 0.4)  # 0.6
+    sharp = sharpened(round1, blunt, True)
+    assert right_verdicts(sharp, True) == pytest.approx(0.8)
+    assert sum(sharp) == pytest.approx(1.0)
+    assert sharp[0] / sharp[1] == pytest.approx(1.0) and sharp[2] / sharp[3] == pytest.approx(0.5)
+    assert sharpened(round1, (0.0, 0.1, 0.2, 0.7), True) == (0.0, 0.1, 0.2, 0.7)  # already sharper
+    # on a wrong output the right verdict is a flag (score <= 0.40): anchors 0 and 0.25
+    assert right_verdicts(
+        sharpened((0.4, 0.4, 0.1, 0.1), (0.3, 0.1, 0.3, 0.3), False), False
+    ) == pytest.approx(0.8)
+    assert sharpened((0.4, 0.4, 0.1, 0.1), (0.0, 0.0, 0.5, 0.5), False) == pytest.approx((0.4, 0.4, 0.1, 0.1))
+
+
+def test_a_model_file_with_a_blunt_round2_row_warns_and_the_shipped_ones_do_not(recwarn):
+    for name in PAIRS["default"] + PAIRS["A"] + PAIRS["B"]:
+        load_model(name)
+    assert not [w for w in recwarn if issubclass(w.category, ModelFileWarning)]
+    doc = fit.base_docs()["weak"]
+    doc["round2"]["weak_author"]["wrong"] = [0.0, 0.0, 0.5, 0.5]  # never flags a wrong output
+    with pytest.warns(ModelFileWarning, match=r"weak_author.wrong \(\d\.\d+ -> 0\.000\)"):
+        parse_model(doc, "weak", "weak.toml")
+    fit.sharpen_round2(doc)
+    m = parse_model(doc, "weak", "weak.toml")
+    assert (
+        right_verdicts(m.round2[("weak_author", False)], False)
+        >= right_verdicts(m.review[("weak_author", False)], False) - 1e-6
+    )
 
 
 def test_decode_sets_every_knob_and_only_knobs():
@@ -179,3 +229,34 @@ def test_structure_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, caps
         *parts, total = r["degraded_gap"]
         assert sum(p["contribution"] for p in parts) == pytest.approx(total["contribution"], abs=1e-12)
     assert "Latent difficulty and draft blame on both models" in capsys.readouterr().out
+
+
+def test_the_same_fit_command_gives_the_same_files_also_when_resumed(tmp_path, capsys):
+    """The shipped files must be what their documented commands write (docs/calibration.md): a fit
+    is seeded, and one stopped after a generation and rerun on its folder ends where one run at once
+    does."""
+    start = fit.MODEL_DIR / "fit_start"
+    settings = dict(pair="B", population=2, fit_seeds=(100,), start=start)
+    fit.body(fit.FitConfig(generations=2, out=tmp_path / "at-once", **settings))
+    fit.body(fit.FitConfig(generations=1, out=tmp_path / "resumed", **settings))
+    fit.body(fit.FitConfig(generations=2, out=tmp_path / "resumed", **settings))
+    assert "resumed" in capsys.readouterr().out
+    written = tmp_path / "at-once" / "model_params" / "llama-3.3-70b.toml"
+    assert written.read_text() == (tmp_path / "resumed" / "model_params" / "llama-3.3-70b.toml").read_text()
+    assert sorted(p.name for p in (tmp_path / "at-once" / "model_params").iterdir()) == ["llama-3.3-70b.toml"]
+    text = written.read_text()
+    assert f"--start {start}" in text.splitlines()[1]  # the header names the command, start included
+    assert text != (start / "llama-3.3-70b.toml").read_text()
+
+
+def test_a_rounded_row_never_holds_a_negative_probability():
+    """Sharpening a row with no right-side mass splits the target evenly; the halves' rounding could
+    leave the last entry at -1e-06, a file parse_model refuses (a review of this change, 2026-12-06)."""
+    row = fit._rounded([0.3333335, 0.3333335, 0.3333335, 0.0])  # 3 x 0.333334: the last would be -2e-06
+    assert min(row) >= 0.0 and sum(row) == pytest.approx(1.0, abs=1e-9)
+    doc = fit.base_docs()["weak"]
+    doc["review"]["weak_author"]["wrong"] = [0.979601, 0.00319, 5.9e-05, 0.01715]
+    doc["round2"]["weak_author"]["wrong"] = [0.0, 0.0, 0.999994, 6e-06]
+    fit.sharpen_round2(doc)
+    assert min(doc["round2"]["weak_author"]["wrong"]) >= 0.0
+    parse_model(doc, "weak", "weak.toml")  # sums to 1 within 1e-6, nothing negative

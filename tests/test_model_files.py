@@ -34,6 +34,28 @@ def test_packaged_files_parse(strong_doc):
     )
 
 
+def test_baseline_kinds_have_their_own_token_figures_or_read_the_kind_they_resemble(strong_doc):
+    """spec/emulator.md: compose / refine / extra chain-of-thought samples have their own token
+    figures; a file without them reads synthesis, synthesis, generate (decisions B0)."""
+    for name in ("gpt-oss-120b", "llama-3.2-1b", "gemma-3-4b", "llama-3.3-70b"):
+        doc = tomllib.loads((params.MODEL_DIR / f"{name}.toml").read_text())
+        for key in ("completion_tokens", "prompt_tokens"):
+            assert set(params.BASELINE_TOKEN_KINDS) <= set(doc[key]), (name, key)  # every field is in them
+    doc = copy.deepcopy(strong_doc)
+    doc["completion_tokens"]["compose"] = [7, 9]
+    m = params.parse_model(doc, "mutant", SOURCE)
+    assert m.completion_tokens["compose"] == (7, 9)
+    for key in ("completion_tokens", "prompt_tokens"):
+        for kind in params.BASELINE_TOKEN_KINDS:
+            doc[key].pop(kind, None)
+    m = params.parse_model(doc, "mutant", SOURCE)
+    assert tuple(m.completion_tokens) == params.TOKEN_KINDS
+    assert m.completion_tokens["refine"] == m.completion_tokens["synthesis"]
+    assert m.completion_tokens["cot"] == m.completion_tokens["generate"]
+    assert m.prompt_tokens["compose"] == m.prompt_tokens["synthesis"]
+    assert params.parse_model(tomllib.loads(params.dump_model(m)), "mutant", SOURCE) == m  # dumped with them
+
+
 MALFORMED = {
     "misspelt optional key": (lambda d: d.update(difficulty_sprad=0.5), ("unknown key", "difficulty_sprad")),
     "boolean probability": (lambda d: d.update(p_infer=True), ("p_infer", "probability", "True")),
@@ -44,6 +66,7 @@ MALFORMED = {
     "word probability in p_part": (lambda d: d["p_part"]["bbh"].update(default="high"), ("p_part.bbh.default", "'high'")),
     "completion tokens as a number": (lambda d: d["completion_tokens"].update(infer=88), ("completion_tokens.infer", "88")),
     "completion tokens with a word": (lambda d: d["completion_tokens"].update(infer=["a", 88]), ("completion_tokens.infer", "'a'")),
+    "a baseline kind reversed": (lambda d: d["completion_tokens"].update(cot=[442, 88]), ("completion_tokens.cot", "min <= max")),
     "completion tokens reversed": (lambda d: d["completion_tokens"].update(infer=[442, 88]), ("completion_tokens.infer", "min <= max")),
     "completion tokens missing a kind": (lambda d: d["completion_tokens"].pop("infer"), ("completion_tokens is missing infer",)),
     "completion tokens of an unknown kind": (lambda d: d["completion_tokens"].update(inferr=[1, 2]), ("unknown call kind", "inferr")),

@@ -38,7 +38,7 @@ from meshheal_jax import metrics
 from meshheal_jax.device import on_device
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index  # noqa: F401 (re-exported for the methods)
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.params import ANCHORS, CALL_KINDS, Pair, threshold_table
+from meshheal_jax.params import ANCHORS, TOKEN_KINDS, Pair, threshold_table
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network, Profile
 
@@ -57,14 +57,13 @@ KINDS = ("infer", "generate", "router", "watchdog", "select", "compose", "evalua
 K_INFER, K_GENERATE, K_ROUTER, K_WATCHDOG, K_SELECT, K_COMPOSE, K_EVALUATE, K_REFINE, K_COT = range(
     len(KINDS)
 )
-# (ours) The model files carry token figures for MeshHeal's kinds only; each baseline kind uses the
-# figures of the closest MeshHeal kind: decision calls like InferAbilities, judgements like a
-# review sample, composing/refining like a synthesis, extra chain-of-thought samples like a
-# generation.
+# The model file's token figures each kind reads (decisions B0): compose, refine and extra
+# chain-of-thought samples their own (spec/emulator.md); (ours) decision calls those of
+# InferAbilities, judgements those of a review sample.
 TOKEN_SOURCE = {
     "infer": "infer", "generate": "generate", "router": "infer", "watchdog": "review",
-    "select": "infer", "compose": "synthesis", "evaluate": "review", "refine": "synthesis",
-    "cot": "generate",
+    "select": "infer", "compose": "compose", "evaluate": "review", "refine": "refine",
+    "cot": "cot",
 }  # fmt: skip
 SCORED_KINDS = (K_WATCHDOG, K_EVALUATE)
 
@@ -299,7 +298,7 @@ def make_emu(pair: Pair, profile: Profile, live: bool = False) -> Emu:
     )  # fmt: skip
 
 
-assert set(TOKEN_SOURCE.values()) <= set(CALL_KINDS)
+assert set(TOKEN_SOURCE.values()) <= set(TOKEN_KINDS)
 
 
 # ------------------------------------------------------------------------------------------------
