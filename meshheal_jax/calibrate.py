@@ -63,10 +63,11 @@ p_popular_wrong (traces record right/wrong, not which wrong answer), and any cel
 --min-n observations (e.g. a model that never reviewed a weak author): they keep the base file's
 values (--base-params-dir, default the packaged files) and calibration.json says so. Nor are the
 optional structure parameters (difficulty_spread, review_difficulty, draft_blame; decisions E9,
-E10): no estimator here separates them from the marginal rates, so the base file's values are kept,
-named in each written file's header and in calibration.json's `structure_kept` (with a non-zero
-spread kept, the marginal p_part fitted here is then shifted by that difficulty again), nor the
-token figures of the baselines' own kinds (compose, refine, cot: MeshHeal makes no such call). The output
+E10): every estimator here reads marginal rates under independent draws, so a fitted file sets
+them to 0 (kept, a base file's difficulty would shift the fitted marginals a second time); each
+written file's header and calibration.json's `structure_reset` name the base values. Nor the
+token figures of the baselines' own kinds (compose, refine, cot: MeshHeal makes no such call),
+kept from the base file. The output
 folder holds every base file (fitted ones rewritten), so it works as `--params-dir` on any pair.
 
 The twin check (spec/calibrate.md; on unless --no-check; decisions C7): each traced run's
@@ -885,6 +886,8 @@ def with_values(model: ModelParams, values: dict[str, object]) -> ModelParams:
         head, _, rest = name.partition(".")
         if head in SCALARS:
             scalars[head] = round(float(np.clip(value, 0.0, 1.0)), 5)
+        elif head in OPTIONAL:
+            scalars[head] = round(float(value), 5)
         elif head == "n_distractors":
             n_distractors = int(value)
         elif head == "p_part":
@@ -952,20 +955,20 @@ def write_twin(result: Fit, out: Path, base_dir: Path, sources: Sequence[str], t
             shutil.copyfile(path, out / path.name)
     doc = {"sources": list(sources), "truth": ["latent truth" if t else "gold answers + proxies" for t in truth],
            "bootstrap": result.n_boot, "seed": result.seed, "level": level, "min_n": result.min_n,
-           "base_params_dir": str(base_dir), "models": {}, "not_identified": [], "structure_kept": [],
+           "base_params_dir": str(base_dir), "models": {}, "not_identified": [], "structure_reset": [],
            "copied": sorted(p.stem for p in base_dir.glob("*.toml") if p.stem not in result.estimates)}  # fmt: skip
     for stem, estimates in result.estimates.items():
-        model = fitted_model(base[stem], estimates)
-        kept = sorted(n for n, e in estimates.items() if not e.identified)
         structure = {name: base[stem].scalars.get(name, 0.0) for name in OPTIONAL}
-        doc["structure_kept"] += [{"model": stem, "parameter": k, "value": v} for k, v in structure.items()]
+        model = with_values(fitted_model(base[stem], estimates), dict.fromkeys(OPTIONAL, 0.0))
+        kept = sorted(n for n, e in estimates.items() if not e.identified)
+        doc["structure_reset"] += [{"model": stem, "parameter": k, "base": v} for k, v in structure.items()]
         header = (f"Emulator parameters of one MODEL (spec/emulator.md); anchors {list(ANCHORS)}.\n"
                   f"Fitted by `python -m meshheal_jax.calibrate` from the traces of {', '.join(sources)}\n"
                   f"(bootstrap {result.n_boot}, seed {result.seed}; intervals in calibration.json).\n"
                   f"Not identified by the traces, kept from {base_dir / (stem + '.toml')}: {', '.join(kept) or 'none'}.\n"
-                  f"Not estimated from MeshHeal traces, kept from it: "
+                  f"Structure set to 0, the fit assuming independent draws (the base's: "
                   + ", ".join(f"{k} {v:g}" for k, v in structure.items())
-                  + f"; the baselines' token figures ({', '.join(BASELINE_TOKEN_KINDS)}).")  # fmt: skip
+                  + f"); the baselines' token figures ({', '.join(BASELINE_TOKEN_KINDS)}) kept from it.")  # fmt: skip
         path = out / f"{stem}.toml"
         path.write_text(dump_model(model, header, interval_notes(estimates, level)))
         load_model(path)  # the written file parses
@@ -1048,15 +1051,17 @@ def calibrate(run_dirs: Sequence[Path], out: Path, base_dir: Path | None = None,
 
 
 def perturbation(dataset: str) -> dict[str, dict[str, object]]:
-    """The round trip's known truth: noticeable shifts from the packaged default pair."""
+    """The round trip's known truth: noticeable shifts from the packaged default pair, without its
+    structure parameters (0: what this fit estimates and writes, decisions C10)."""
+    flat = dict.fromkeys(OPTIONAL, 0.0)
     return {
-        "gpt-oss-120b": {
+        "gpt-oss-120b": {**flat,
             "p_infer": 0.88, "p_rescue": 0.7, "rho_same": 0.4, "p_follow": 0.55, "p_fix": 0.5, "p_keep": 0.9,
             "answer_fraction": 0.3, f"p_part.{dataset}.default": 0.83,
             "review.strong_author.wrong": (0.2, 0.2, 0.2, 0.4), "round2.strong_author.wrong": (0.5, 0.3, 0.1, 0.1),
             "completion_tokens.generate": (1500, 6000), "prompt_tokens.review": 680,
         },
-        "llama-3.2-1b": {"p_infer": 0.6, f"p_part.{dataset}.default": 0.25, "completion_tokens.generate": (200, 900)},
+        "llama-3.2-1b": {**flat, "p_infer": 0.6, f"p_part.{dataset}.default": 0.25, "completion_tokens.generate": (200, 900)},
     }  # fmt: skip
 
 
@@ -1319,8 +1324,8 @@ def body(cfg: CalibrateConfig) -> None:
                             cfg.per_type, cfg.level)  # fmt: skip
     if not cfg.quiet:
         print_fit(result, cfg.level)
-        print("structure not estimated from traces, kept from the base files: "
-              + "; ".join(f"{k['model']} {k['parameter']} {k['value']:g}" for k in doc["structure_kept"]))  # fmt: skip
+        print("structure set to 0 in the fitted files (the fit assumes independent draws); the base files': "
+              + "; ".join(f"{k['model']} {k['parameter']} {k['base']:g}" for k in doc["structure_reset"]))  # fmt: skip
     if cfg.check:
         check = twin_check(
             cfg.run_dirs,
