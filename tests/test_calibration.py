@@ -222,7 +222,10 @@ def test_structure_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, caps
     result = fit.scan_structure(cfg, ev)
     points = [(r["difficulty_spread"], r["review_difficulty"], r["draft_blame"]) for r in result]
     assert points == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.5), (1.0, 0.0, 0.0), (1.0, 0.0, 0.5)]
-    assert result[0]["rows"] == ev.rows([fit.pair_of(fit.base_docs())])[0]  # all 0 = the files as they are
+    flat = fit.base_docs()
+    for doc in flat.values():  # all 0 = the files with their structure set to 0 on both models
+        doc.update(dict.fromkeys(("difficulty_spread", "review_difficulty", "draft_blame"), 0.0))
+    assert result[0]["rows"] == ev.rows([fit.pair_of(flat)])[0]
     assert all(r["rows"] != result[0]["rows"] for r in result[1:])  # each structure reaches the run
     for r in result:
         *parts, total = r["degraded_gap"]

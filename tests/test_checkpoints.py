@@ -130,7 +130,9 @@ def test_a_checkpoint_of_another_layout_is_dropped_with_a_warning(batch, tmp_pat
     (folders[1] / "state.json").write_text(json.dumps(state))
     with pytest.warns(CheckpointWarning, match=f"checkpoint {folders[1]} not used .*another layout"):
         resumed, resumed_calls = run(batch, Checkpoints(folders, every_s=3600))
-    assert resumed_calls == calls  # stream 1 ran from its first task (stream 0 from its chunk 1)
+    # stream 1 ran from its first task, stream 0 from its chunk 1: the batch takes all its calls, or
+    # one fewer when stream 0 is the longer one (it is with the model files of 2026-12-06)
+    assert calls - 1 <= resumed_calls <= calls
     assert not folders[1].exists()
     assert_equal(resumed, whole)
 
