@@ -305,7 +305,7 @@ def entrypoint(config_type: type, body: Callable, description: str, stopped: str
         print(stopped, file=sys.stderr)
         sys.exit(143 if isinstance(err, Terminated) else 130)
     finally:
-        if main_thread:
+        if main_thread and before is not None:  # None: a handler set outside Python, left as it is
             signal.signal(signal.SIGTERM, before)
 
 

@@ -72,6 +72,9 @@ class ModelFileWarning(MeshHealWarning):
     """A model file that parses but breaks a rule of spec/emulator.md (a blunt round-2 row)."""
 
 
+_WARNED_BLUNT: set[tuple[str, tuple[str, ...]]] = set()
+
+
 def right_verdicts(row: tuple[float, ...] | list[float], correct: bool) -> float:
     """The probability that a score drawn from `row` is the right verdict on a correct (or wrong)
     judged output."""
@@ -317,7 +320,8 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
         p_part[str(ds)] = {str(k): _probability(v, f"{source}: p_part.{ds}.{k}") for k, v in table.items()}
     review, round2 = _categorical(doc, "review", source), _categorical(doc, "round2", source)
     blunt = blunt_round2(review, round2)
-    if blunt:
+    if blunt and (source, tuple(blunt)) not in _WARNED_BLUNT:  # once per file and finding, however often read
+        _WARNED_BLUNT.add((source, tuple(blunt)))
         warnings.warn(f"{source}: round-2 categorical(s) give right verdicts less often than round 1 "
                       f"(spec/emulator.md: round 2 is sharper; right-verdict share round 1 -> 2): "
                       f"{'; '.join(blunt)}", ModelFileWarning, stacklevel=2)  # fmt: skip

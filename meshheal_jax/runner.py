@@ -879,7 +879,7 @@ def check_arms(out: Path, arms: Sequence[str], flag: str) -> None:
     combined summary would leave finished arms out, or mix settings the per-arm check never sees."""
     if not out.is_dir():
         return
-    held = sorted(p.name for p in out.iterdir() if (p / "config.json").exists())
+    held = sorted(p.name for p in out.iterdir() if (p / "config.json").exists() or (p / "parts").is_dir())
     extra = [a for a in held if a not in arms]
     if extra:
         raise MeshHealError(f"{out} holds the run(s) of {', '.join(extra)}, which this command does not run "

@@ -111,7 +111,7 @@ def body(cfg: ScaleConfig) -> None:
     if out.exists() and not out.is_dir():
         raise MeshHealError(f"output path {out} exists and is not a folder")
     results, engine, backend, slots = [], None, None, None
-    runner.check_arms(out, topologies(cfg), "--sparse / --compare")
+    runner.check_arms(out, topologies(cfg), "--sparse / --compare / --edges")
     for topology in topologies(cfg):
         exp = experiment(cfg, topology)
         start = time.perf_counter()
