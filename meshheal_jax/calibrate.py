@@ -908,7 +908,10 @@ def with_values(model: ModelParams, values: dict[str, object]) -> ModelParams:
 
 
 def fitted_model(model: ModelParams, estimates: dict[str, Estimate]) -> ModelParams:
-    return with_values(model, {name: e.value for name, e in estimates.items() if e.identified and e.written})
+    """The base model with the identified, written estimates, and its structure parameters at 0:
+    every estimate is a marginal rate under independent draws (decisions C10)."""
+    fitted = {name: e.value for name, e in estimates.items() if e.identified and e.written}
+    return with_values(model, {**fitted, **dict.fromkeys(OPTIONAL, 0.0)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -959,7 +962,7 @@ def write_twin(result: Fit, out: Path, base_dir: Path, sources: Sequence[str], t
            "copied": sorted(p.stem for p in base_dir.glob("*.toml") if p.stem not in result.estimates)}  # fmt: skip
     for stem, estimates in result.estimates.items():
         structure = {name: base[stem].scalars.get(name, 0.0) for name in OPTIONAL}
-        model = with_values(fitted_model(base[stem], estimates), dict.fromkeys(OPTIONAL, 0.0))
+        model = fitted_model(base[stem], estimates)
         kept = sorted(n for n, e in estimates.items() if not e.identified)
         doc["structure_reset"] += [{"model": stem, "parameter": k, "base": v} for k, v in structure.items()]
         header = (f"Emulator parameters of one MODEL (spec/emulator.md); anchors {list(ANCHORS)}.\n"

@@ -101,13 +101,12 @@ def sharpened(round1: tuple[float, ...], round2: tuple[float, ...], correct: boo
 def blunt_round2(review: dict, round2: dict) -> list[str]:
     """The (author role, label) rows whose round-2 categorical gives right verdicts less often than
     round 1's (empty when every round-2 row is at least as sharp)."""
-    return [
-        f"{role}.{'correct' if correct else 'wrong'} ({right_verdicts(review[(role, correct)], correct):.3f} "
-        f"-> {right_verdicts(row, correct):.3f})"
-        for (role, correct), row in round2.items()
-        if right_verdicts(row, correct)
-        < right_verdicts(review[(role, correct)], correct) - SHARPNESS_TOLERANCE
-    ]
+    blunt = []
+    for (role, correct), row in round2.items():
+        before, after = right_verdicts(review[(role, correct)], correct), right_verdicts(row, correct)
+        if after < before - SHARPNESS_TOLERANCE:
+            blunt.append(f"{role}.{'correct' if correct else 'wrong'} ({before:.3f} -> {after:.3f})")
+    return blunt
 
 
 def shifted_probability(p: float, shift: float) -> float:

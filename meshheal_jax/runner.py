@@ -519,8 +519,8 @@ def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
             try:
                 previous = json.loads(config_path.read_text())
             except json.JSONDecodeError:
-                raise MeshHealError(f"output folder {out} has an unreadable config.json{_LOST_CONFIG.format(out=out)}"
-                                    if (out / "parts").is_dir() else f"output folder {out} has an unreadable config.json") from None  # fmt: skip
+                hint = _LOST_CONFIG.format(out=out) if (out / "parts").is_dir() else ""
+                raise MeshHealError(f"output folder {out} has an unreadable config.json{hint}") from None
             if not previous.get(RUN_MARKER):
                 raise MeshHealError(f"output folder {out} exists and is not a run folder")
             if "methods" not in previous.get("experiment", {}):
@@ -908,10 +908,11 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     if not checkpoint_every >= 0:
         raise MeshHealError(f"--checkpoint-every must be >= 0 seconds, got {checkpoint_every}")
     run_dir = prepare_run_dir(exp, out)
-    todo = [s for s in exp.streams() if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
-    kept, saved = len(exp.streams()) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
+    streams = exp.streams()
+    todo = [s for s in streams if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
+    kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
     if progress and (kept or saved):
-        print(f"resuming {run_dir}: {kept} of {len(exp.streams())} streams already finished"
+        print(f"resuming {run_dir}: {kept} of {len(streams)} streams already finished"
               + (f", {saved} with a checkpoint" if saved else ""), flush=True)  # fmt: skip
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
 
@@ -921,9 +922,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
         finished[stream] = frames
 
     with Progress(disable=not progress, transient=True) as bar:
-        job = bar.add_task(
-            f"{exp.name}: streams", total=len(exp.streams()), completed=len(exp.streams()) - len(todo)
-        )
+        job = bar.add_task(f"{exp.name}: streams", total=len(streams), completed=kept)
         mine = [s[1:] for s in todo if s[0] == "meshheal"]
         if exp.backend == "live":
             for pair in exp.pairs:
@@ -979,7 +978,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     def whole(name: str) -> pl.DataFrame:
         if name not in exp.tables:
             return pl.DataFrame(schema=metrics.SCHEMAS[name])
-        return pl.concat([finished[s][name] if s in finished else read_part(s, name) for s in exp.streams()])
+        return pl.concat([finished[s][name] if s in finished else read_part(s, name) for s in streams])
 
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # every stream has its part
     frames = {name: whole(name) for name in TABLES}
