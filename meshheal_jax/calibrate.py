@@ -50,8 +50,10 @@ ROLE: traces of several pairs pool, for one reviewer, the weak models it judged.
 
 Intervals. Bootstrap over tasks: every replicate resamples the tasks of each stream with
 replacement (seeded); every estimator is a function of per-task sums, so a replicate is one
-weighted matrix product. Percentile intervals (--level); a share estimated at exactly 0 or 1
-gets the Clopper-Pearson bound there (the percentile interval collapses); answer_fraction's is
+weighted matrix product. Percentile intervals (--level); a share's is widened to hold the
+Clopper-Pearson interval at its effective sample size (p(1 - p) / se^2, at most n: Korn and
+Graubard 1998), as the percentile interval of a share from few events is too narrow and collapses
+at 0 and 1 (decisions C11; `--roundtrip --roundtrip-repeats R` measures coverage); answer_fraction's is
 widened by half a token per mean completion (floor() quantises visible tokens); the prompt bases
 of the judged kinds condition on the point answer_fraction and generate base; integer parameters
 get outward-rounded intervals. Tasks are the right unit for parameters (given the path, each
@@ -92,6 +94,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import scipy.sparse
+import scipy.stats
 import tyro
 
 from meshheal_jax import metrics
@@ -594,6 +597,24 @@ def answer_fraction(t: Totals, author: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
+def effective_clopper_pearson(value: np.ndarray, se: np.ndarray, n: int, level: float) -> np.ndarray:
+    """(..., 2) Clopper-Pearson interval of a share at its effective sample size (Korn and
+    Graubard 1998): n_eff = p(1 - p) / se^2 from the bootstrap's own variance (clustered samples,
+    e.g. a review's three correlated scores, count less than n), at most n; n where se is 0 (a
+    share at exactly 0 or 1). Shares of few events are where the percentile interval of a
+    bootstrap is too narrow (docs/decisions.md C11)."""
+    value = np.asarray(value, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n_eff = np.where(se > 0, value * (1.0 - value) / np.square(se), n)
+    n_eff = np.clip(np.nan_to_num(n_eff, nan=float(n)), 1.0, n)
+    x = value * n_eff
+    alpha = 1.0 - level
+    low = np.where(x > 0, scipy.stats.beta.ppf(alpha / 2, x, n_eff - x + 1), 0.0)
+    high = np.where(x < n_eff, scipy.stats.beta.ppf(1 - alpha / 2, x + 1, n_eff - x), 1.0)
+    defined = np.isfinite(value)
+    return np.stack([np.where(defined, low, np.nan), np.where(defined, high, np.nan)], axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """One parameter: reps (R,) or (R, k), index 0 the trace's value, then bootstrap replicates."""
@@ -604,7 +625,7 @@ class Estimate:
     proxy: float = 0.0  # share of those observations labelled by a proxy
     note: str = ""  # why it is not identified (empty: identified)
     written: bool = True  # whether an identified value goes into the file
-    binomial: bool = False  # a share of n trials (intervals at 0 / 1 get the exact bound)
+    binomial: bool = False  # a share of n trials (interval widened to the effective Clopper-Pearson)
     slack: float = 0.0  # added on both sides of the interval (a known quantisation of the estimator)
 
     @property
@@ -623,13 +644,9 @@ class Estimate:
             low, high = np.nanpercentile(self.reps[1:], [50 * (1 - level), 50 * (1 + level)], axis=0)
         if self.integer:
             low, high = np.floor(low), np.ceil(high)
-        if (
-            self.binomial and self.n > 0
-        ):  # the percentile interval collapses at 0 and 1: Clopper-Pearson there
-            edge = 1.0 - ((1.0 - level) / 2.0) ** (1.0 / self.n)
-            value = self.reps[0]
-            low = np.where(value >= 1.0, np.minimum(low, 1.0 - edge), low)
-            high = np.where(value <= 0.0, np.maximum(high, edge), high)
+        if self.binomial and self.n > 0:  # few events: the percentile interval is too narrow
+            exact = effective_clopper_pearson(self.reps[0], self.se, self.n, level)
+            low, high = np.fmin(low, exact[..., 0]), np.fmax(high, exact[..., 1])
         return np.stack([low - self.slack, high + self.slack], axis=-1)
 
     @property
@@ -1160,7 +1177,7 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
                            "fitted": _json_value(e.value, e.integer), "interval": _json_value(interval, e.integer),
                            "covered": bool(np.all(covered)), "elements": int(np.size(covered)),
                            "elements_covered": int(np.sum(covered)), "n": e.n, "se": _json_value(e.se, False),
-                           "perturbed": name in changes.get(stem, {})})  # fmt: skip
+                           "share": e.binomial, "perturbed": name in changes.get(stem, {})})  # fmt: skip
     aggregates = compare_runs(traced.tasks, twin.tasks, n_boot, seed, level)
     report = {"dataset": dataset, "seeds": list(seeds), "n_tasks": n_tasks, "bootstrap": n_boot, "level": level,
               "parameters": params, "aggregates": aggregates,
@@ -1169,6 +1186,87 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
               "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
     (out / "roundtrip.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+EVENT_BANDS = (0, 5, 20, 100)  # a share's expected events n * min(p, 1 - p): the coverage table's bands
+BANDS = (*(f"shares, {a}-{b} events" for a, b in itertools.pairwise(EVENT_BANDS)),
+         f"shares, >= {EVENT_BANDS[-1]} events", "other parameters")  # fmt: skip
+
+
+def element_rows(report: dict) -> list[dict]:
+    """One row per value (a categorical's anchors apart) of a round trip: covered or not, and its
+    band (a share's expected events under the truth; other parameters apart)."""
+    rows = []
+    for p in report["parameters"]:
+        true = np.atleast_1d(np.asarray(p["true"], dtype=float))
+        interval = np.asarray(p["interval"], dtype=float).reshape(-1, 2)
+        for i, (t, (low, high)) in enumerate(zip(true, interval)):
+            events = p["n"] * min(t, 1.0 - t)
+            band = (
+                BANDS[int(np.searchsorted(EVENT_BANDS, events, side="right")) - 1]
+                if p["share"]
+                else BANDS[-1]
+            )
+            rows.append({"model": p["model"], "parameter": p["parameter"], "element": i, "n": p["n"], "band": band,
+                         "covered": bool(low - 1e-9 <= t <= high + 1e-9)})  # fmt: skip
+    return rows
+
+
+def roundtrip_coverage(out: Path, repeats: int, dataset: str = "bbh", seeds_per: int = 8, n_tasks: int = 504,
+                       n_boot: int = 200, seed: int = 0, min_n: int = 20, level: float = 0.95,
+                       progress: bool = False) -> dict:  # fmt: skip
+    """Do the intervals cover at their level? `repeats` round trips on disjoint seed sets (k:
+    seeds k * seeds_per ...) into out/rep-<k>, each kept as it finishes (a rerun resumes; an
+    unfinished one is redone); their values pooled into coverage by band of expected events
+    (docs/decisions.md C11). Written to out/coverage.json."""
+    out = Path(out)
+    if repeats < 2:
+        raise MeshHealError(f"--roundtrip-repeats must be at least 2 for a coverage study, got {repeats}")
+    settings = {"dataset": dataset, "n_tasks": n_tasks, "bootstrap": n_boot, "level": level}
+    reports = []
+    for k in range(repeats):
+        rep_dir, seeds = out / f"rep-{k}", list(range(k * seeds_per, (k + 1) * seeds_per))
+        done = rep_dir / "roundtrip.json"
+        if done.exists():
+            report = json.loads(done.read_text())
+            wanted = {**settings, "seeds": seeds}
+            differ = {key: (report.get(key), v) for key, v in wanted.items() if report.get(key) != v}
+            if differ:
+                raise MeshHealError(f"{rep_dir} holds a round trip with other settings {differ} (kept, wanted); "
+                                    "choose a new --out")  # fmt: skip
+        else:
+            if rep_dir.exists():
+                print(f"{rep_dir}: unfinished round trip, redone")
+                shutil.rmtree(rep_dir)
+            report = roundtrip(rep_dir, dataset, seeds, n_tasks, n_boot, seed, min_n, level, progress)
+        reports.append(report)
+    rows = [r for report in reports for r in element_rows(report)]
+    frame = pl.DataFrame(rows)
+    bands = (frame.group_by("band").agg(pl.len().alias("values"), pl.col("covered").sum().alias("covered"))
+             .with_columns((pl.col("covered") / pl.col("values")).alias("coverage"))
+             .sort(pl.col("band").replace_strict(BANDS, range(len(BANDS)))))  # fmt: skip
+    cells = (frame.group_by("model", "parameter", "element")
+             .agg(pl.len().alias("round_trips"), pl.col("covered").mean().alias("coverage"), pl.col("n").mean().alias("mean_n"))
+             .sort("coverage", "mean_n", "model", "parameter", "element").head(8))  # fmt: skip
+    coverage = {**settings, "repeats": repeats, "seeds_per": seeds_per, "values": frame.height,
+                "covered": int(frame["covered"].sum()), "bands": bands.to_dicts(), "least_covered": cells.to_dicts()}  # fmt: skip
+    (out / "coverage.json").write_text(json.dumps(coverage, indent=2))
+    return coverage
+
+
+def print_coverage(coverage: dict) -> None:
+    level = coverage["level"]
+    table = new_table(f"Round-trip coverage: {coverage['repeats']} round trips ({coverage['dataset']}, "
+                      f"{coverage['seeds_per']} seeds each, disjoint), values inside their {level:.0%} interval",
+                      "band", "values", "covered", "coverage")  # fmt: skip
+    for b in coverage["bands"]:
+        table.add_row(b["band"], str(b["values"]), str(b["covered"]), f"{b['coverage']:.3f}")
+    table.add_row("all", str(coverage["values"]), str(coverage["covered"]),
+                  f"{coverage['covered'] / coverage['values']:.3f}")  # fmt: skip
+    print_table(table)
+    print("least covered values (over the round trips that identified them): " + "; ".join(
+        f"{c['model']} {c['parameter']}[{c['element']}] {c['coverage']:.2f} of {c['round_trips']} (mean n {c['mean_n']:.0f})"
+        for c in coverage["least_covered"]))  # fmt: skip
 
 
 def twin_experiments(run_dirs: Sequence[Path], twin_dir: Path) -> list:
@@ -1301,6 +1399,9 @@ class CalibrateConfig:
     roundtrip_dataset: str = "bbh"
     roundtrip_seeds: int = 8
     roundtrip_tasks: int = 504
+    roundtrip_repeats: int = 1
+    """with --roundtrip: this many round trips on disjoint seed sets, and how often their intervals
+    cover the truth (a coverage study; each kept in --out/rep-<k>, a rerun resumes)"""
     check: bool = True
     """then emulate each traced run's configuration with the fitted files and compare its accuracy,
     calls and tokens per task with the traced run's (spec/calibrate.md; --no-check to skip)"""
@@ -1312,6 +1413,14 @@ def body(cfg: CalibrateConfig) -> None:
     if cfg.roundtrip:
         if cfg.run_dirs:
             raise MeshHealError("--roundtrip makes its own traces: give no run folders")
+        if cfg.roundtrip_repeats != 1:
+            coverage = roundtrip_coverage(cfg.out or Path("runs/calibrate-coverage"), cfg.roundtrip_repeats,
+                                          cfg.roundtrip_dataset, cfg.roundtrip_seeds, cfg.roundtrip_tasks, cfg.bootstrap,
+                                          cfg.seed, cfg.min_n, cfg.level, progress=not cfg.quiet)  # fmt: skip
+            if not cfg.quiet:
+                print_coverage(coverage)
+            print(f"results: {cfg.out or Path('runs/calibrate-coverage')}")
+            return
         report = roundtrip(cfg.out or Path("runs/calibrate-roundtrip"), cfg.roundtrip_dataset,
                            tuple(range(cfg.roundtrip_seeds)), cfg.roundtrip_tasks, cfg.bootstrap, cfg.seed, cfg.min_n,
                            cfg.level, progress=not cfg.quiet)  # fmt: skip
