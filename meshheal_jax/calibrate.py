@@ -1248,8 +1248,10 @@ def roundtrip_coverage(out: Path, repeats: int, dataset: str = "bbh", seeds_per:
     cells = (frame.group_by("model", "parameter", "element")
              .agg(pl.len().alias("round_trips"), pl.col("covered").mean().alias("coverage"), pl.col("n").mean().alias("mean_n"))
              .sort("coverage", "mean_n", "model", "parameter", "element").head(8))  # fmt: skip
+    aggregates = [a for report in reports for a in report["aggregates"]]
     coverage = {**settings, "repeats": repeats, "seeds_per": seeds_per, "values": frame.height,
-                "covered": int(frame["covered"].sum()), "bands": bands.to_dicts(), "least_covered": cells.to_dicts()}  # fmt: skip
+                "covered": int(frame["covered"].sum()), "bands": bands.to_dicts(), "least_covered": cells.to_dicts(),
+                "twin_comparisons": len(aggregates), "twin_consistent": sum(a["consistent"] for a in aggregates)}  # fmt: skip
     (out / "coverage.json").write_text(json.dumps(coverage, indent=2))
     return coverage
 
@@ -1267,6 +1269,8 @@ def print_coverage(coverage: dict) -> None:
     print("least covered values (over the round trips that identified them): " + "; ".join(
         f"{c['model']} {c['parameter']}[{c['element']}] {c['coverage']:.2f} of {c['round_trips']} (mean n {c['mean_n']:.0f})"
         for c in coverage["least_covered"]))  # fmt: skip
+    print(f"twin against traced run (accuracy, calls and tokens per task, overall and per phase): the difference's "
+          f"interval holds 0 in {coverage['twin_consistent']} of {coverage['twin_comparisons']} comparisons")  # fmt: skip
 
 
 def twin_experiments(run_dirs: Sequence[Path], twin_dir: Path) -> list:

@@ -299,6 +299,8 @@ def test_coverage_study_pools_round_trips_and_resumes(tmp_path, monkeypatch, cap
     covered = sum(p["elements_covered"] for r in reports for p in r["parameters"])
     assert (coverage["values"], coverage["covered"]) == (values, covered)
     assert sum(b["values"] for b in coverage["bands"]) == values
+    twins = [a["consistent"] for r in reports for a in r["aggregates"]]
+    assert (coverage["twin_comparisons"], coverage["twin_consistent"]) == (len(twins), sum(twins)) != (0, 0)
     assert {b["band"] for b in coverage["bands"]} <= set(C.BANDS)
     assert json.loads((out / "coverage.json").read_text()) == coverage
     # a rerun reads the finished round trips; an unfinished one is redone
