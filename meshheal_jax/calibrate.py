@@ -137,6 +137,7 @@ LIVE_RESCUE = (
     "(proxy: right) or unknown"
 )
 LABELS = {True: "correct", False: "wrong"}
+INTERVALS = "percentile; shares also effective Clopper-Pearson (decisions C11)"  # in roundtrip.json
 MIDPOINTS = tuple((a + b) / 2 for a, b in itertools.pairwise(ANCHORS))
 
 
@@ -597,20 +598,22 @@ def answer_fraction(t: Totals, author: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def effective_clopper_pearson(value: np.ndarray, se: np.ndarray, n: int, level: float) -> np.ndarray:
+def effective_clopper_pearson(value: np.ndarray, se: np.ndarray, n: float, level: float) -> np.ndarray:
     """(..., 2) Clopper-Pearson interval of a share at its effective sample size (Korn and
-    Graubard 1998): n_eff = p(1 - p) / se^2 from the bootstrap's own variance (clustered samples,
-    e.g. a review's three correlated scores, count less than n), at most n; n where se is 0 (a
-    share at exactly 0 or 1). Shares of few events are where the percentile interval of a
-    bootstrap is too narrow (docs/decisions.md C11)."""
+    Graubard 1998, without their degrees-of-freedom correction): n_eff = p(1 - p) / se^2 from the
+    bootstrap's own variance (clustered samples, e.g. a review's three correlated scores, count
+    less than n), at most n; n itself where p is 0 or 1 or se is 0. Shares of few events are where
+    the percentile interval of a bootstrap is too narrow (docs/decisions.md C11)."""
     value = np.asarray(value, dtype=float)
+    inner = (se > 0) & (value > 0) & (value < 1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        n_eff = np.where(se > 0, value * (1.0 - value) / np.square(se), n)
-    n_eff = np.clip(np.nan_to_num(n_eff, nan=float(n)), 1.0, n)
+        n_eff = np.where(inner, value * (1.0 - value) / np.square(se), n)
+    n_eff = np.clip(np.nan_to_num(n_eff, nan=float(n)), min(1.0, n), n)
     x = value * n_eff
     alpha = 1.0 - level
-    low = np.where(x > 0, scipy.stats.beta.ppf(alpha / 2, x, n_eff - x + 1), 0.0)
-    high = np.where(x < n_eff, scipy.stats.beta.ppf(1 - alpha / 2, x + 1, n_eff - x), 1.0)
+    with np.errstate(invalid="ignore"):
+        low = np.where(x > 0, scipy.stats.beta.ppf(alpha / 2, x, n_eff - x + 1), 0.0)
+        high = np.where(x < n_eff, scipy.stats.beta.ppf(1 - alpha / 2, x + 1, n_eff - x), 1.0)
     defined = np.isfinite(value)
     return np.stack([np.where(defined, low, np.nan), np.where(defined, high, np.nan)], axis=-1)
 
@@ -626,6 +629,7 @@ class Estimate:
     note: str = ""  # why it is not identified (empty: identified)
     written: bool = True  # whether an identified value goes into the file
     binomial: bool = False  # a share of n trials (interval widened to the effective Clopper-Pearson)
+    trials: float | None = None  # a share's trials when fewer than n (round 2: the fresh draws)
     slack: float = 0.0  # added on both sides of the interval (a known quantisation of the estimator)
 
     @property
@@ -638,14 +642,16 @@ class Estimate:
         return np.round(value) if self.integer else value
 
     def interval(self, level: float) -> np.ndarray:
-        """(2,) or (k, 2) percentile interval over the replicates (outward-rounded for integers)."""
+        """(2,) or (k, 2) percentile interval over the replicates (outward-rounded for integers);
+        a share's also holds its effective Clopper-Pearson interval (decisions C11)."""
         with warnings.catch_warnings():  # an all-nan column (no replicate defines it) gives nan, by design
             warnings.simplefilter("ignore", RuntimeWarning)
             low, high = np.nanpercentile(self.reps[1:], [50 * (1 - level), 50 * (1 + level)], axis=0)
         if self.integer:
             low, high = np.floor(low), np.ceil(high)
         if self.binomial and self.n > 0:  # few events: the percentile interval is too narrow
-            exact = effective_clopper_pearson(self.reps[0], self.se, self.n, level)
+            trials = self.n if self.trials is None else self.trials
+            exact = effective_clopper_pearson(self.reps[0], self.se, trials, level)
             low, high = np.fmin(low, exact[..., 0]), np.fmax(high, exact[..., 1])
         return np.stack([low - self.slack, high + self.slack], axis=-1)
 
@@ -784,9 +790,11 @@ def fit_reviews(f: FitInputs) -> Estimates:
         )
         for k, (role, correct) in enumerate(CELLS):
             proxy = float(np.nan_to_num(ratio(proxy2[k], n2[k])))
+            fresh = n2[k] * (1.0 - follow[0])  # followed judgements do not draw round2
             est[f"round2.{role}.{LABELS[correct]}"] = judge(
-                round2[:, k], n2[k], f.min_n, binomial=True, proxy=proxy
-            )
+                round2[:, k], n2[k], f.min_n, binomial=True, proxy=proxy,
+                trials=float(fresh) if np.isfinite(fresh) else None,
+            )  # fmt: skip
         out[stem] = est
     return out
 
@@ -1179,12 +1187,15 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
                            "elements_covered": int(np.sum(covered)), "n": e.n, "se": _json_value(e.se, False),
                            "share": e.binomial, "perturbed": name in changes.get(stem, {})})  # fmt: skip
     aggregates = compare_runs(traced.tasks, twin.tasks, n_boot, seed, level)
-    report = {"dataset": dataset, "seeds": list(seeds), "n_tasks": n_tasks, "bootstrap": n_boot, "level": level,
+    report = {"dataset": dataset, "seeds": list(seeds), "n_tasks": n_tasks, "bootstrap": n_boot, "seed": seed,
+              "min_n": min_n, "level": level, "intervals": INTERVALS,
               "parameters": params, "aggregates": aggregates,
               "not_identified": [{"model": s, "parameter": n, "reason": e.note}
                                  for s, es in result.estimates.items() for n, e in es.items() if not e.identified],
               "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
-    (out / "roundtrip.json").write_text(json.dumps(report, indent=2))
+    written = out / "roundtrip.json.partial"  # whole or absent: a coverage study resumes on it
+    written.write_text(json.dumps(report, indent=2))
+    written.replace(out / "roundtrip.json")
     return report
 
 
@@ -1222,7 +1233,8 @@ def roundtrip_coverage(out: Path, repeats: int, dataset: str = "bbh", seeds_per:
     out = Path(out)
     if repeats < 2:
         raise MeshHealError(f"--roundtrip-repeats must be at least 2 for a coverage study, got {repeats}")
-    settings = {"dataset": dataset, "n_tasks": n_tasks, "bootstrap": n_boot, "level": level}
+    settings = {"dataset": dataset, "n_tasks": n_tasks, "bootstrap": n_boot, "seed": seed, "min_n": min_n,
+                "level": level, "intervals": INTERVALS}  # fmt: skip
     reports = []
     for k in range(repeats):
         rep_dir, seeds = out / f"rep-{k}", list(range(k * seeds_per, (k + 1) * seeds_per))
@@ -1432,6 +1444,8 @@ def body(cfg: CalibrateConfig) -> None:
             print_roundtrip(report)
         print(f"results: {cfg.out or Path('runs/calibrate-roundtrip')}")
         return
+    if cfg.roundtrip_repeats != 1:
+        raise MeshHealError("--roundtrip-repeats is a round-trip setting: give --roundtrip too")
     if cfg.out is None:
         raise MeshHealError("--out DIR is required (the folder of fitted parameter files)")
     # a folder the twin check cannot emulate is named before the fit

@@ -24,13 +24,14 @@ from meshheal_jax.params import ANCHORS, MODEL_DIR, PAIRS, load_model, load_pair
 from meshheal_jax.topology import load_profile
 
 SEEDS = tuple(range(6))
+N_TASKS = 504
 COVERAGE_95 = 0.85  # share of fitted values inside their 95% interval (nominal 0.95; ~100 values, correlated)
 
 
 @pytest.fixture(scope="module")
 def trip(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("calibrate") / "roundtrip"
-    return out, C.roundtrip(out, dataset="bbh", seeds=SEEDS, n_tasks=504, n_boot=200, seed=0)
+    return out, C.roundtrip(out, dataset="bbh", seeds=SEEDS, n_tasks=N_TASKS, n_boot=200, seed=0)
 
 
 def strip_truth(src: Path, dst: Path) -> Path:
@@ -79,11 +80,11 @@ def test_intervals_cover_at_their_level_over_independent_round_trips(tmp_path):
     """The intervals are honest: over 20 round trips on disjoint seed sets (8 seeds each, the
     CLI's default), the values inside their 95% interval, pooled and per band of expected events.
     Each bound is three binomial standard errors below 0.95 for the band's count of values
-    (~60-850). Measured (`calibrate --roundtrip --roundtrip-repeats 20`): before the effective
-    Clopper-Pearson widening (decisions C11) shares from 5-20 events were covered 0.879 of the
-    time (239 values: this fails), 20-100 events 0.927; with it 0.929 and 0.948, all values
-    0.948 -> 0.960. One trace cannot test this: a 99.9% check of its ~100 values would miss one
-    by chance alone in about 1 - 0.999^100 ~ 10% of seed sets, even with exact intervals."""
+    (~60-850). Measured (`calibrate --roundtrip --roundtrip-repeats 20`): with C4's percentile
+    intervals, shares from 5-20 events were covered 0.879 of the time (239 values: this fails),
+    20-100 events 0.927; with decisions C11 0.954 and 0.948, all values 0.948 -> 0.964. One trace
+    cannot test this: a 99.9% check of its ~100 values would miss one by chance alone in about
+    1 - 0.999^100 ~ 10% of seed sets, even with exact intervals."""
     coverage = C.roundtrip_coverage(tmp_path / "coverage", 20, seeds_per=8, n_boot=200)
     assert coverage["values"] >= 1500
     assert coverage["covered"] / coverage["values"] >= 0.93
@@ -139,10 +140,10 @@ def test_traced_review_scores_are_the_truths_categorical_of_their_uniforms(trip)
     calls = pl.read_parquet(out / "traced" / "calls.parquet")
     key = ["seed", "t", "visit", "author", "ability"]
     authors = calls.filter(pl.col("kind") == "generate").select(*key, pl.col("model").alias("author_model"))
-    first = (calls.filter(pl.col("kind") == "review").join(authors, on=key)
-             .filter(pl.int_range(pl.len()).over(key) == 0))  # fmt: skip
+    reviews = calls.filter(pl.col("kind") == "review")  # a review's samples in the order drawn
+    first = reviews.filter(pl.int_range(pl.len()).over(key) == 0).join(authors, on=key)
     dataset_id = load_profile("bbh").dataset_id
-    uniforms = {s: D.stream_draws(s, dataset_id, 504).calls for s in SEEDS}
+    uniforms = {s: D.stream_draws(s, dataset_id, N_TASKS).calls for s in SEEDS}
     files = {load_model(stem, out / "true-params").model: load_model(stem, out / "true-params")
              for stem in ("gpt-oss-120b", "llama-3.2-1b")}  # fmt: skip
     strong = files["openai/gpt-oss-120b"].model
@@ -315,6 +316,14 @@ def test_coverage_study_pools_round_trips_and_resumes(tmp_path, monkeypatch, cap
         C.roundtrip_coverage(out, 2, **{**settings, "n_tasks": 504})
     with pytest.raises(MeshHealError, match="at least 2"):
         C.roundtrip_coverage(tmp_path / "one", 1)
+    with pytest.raises(MeshHealError, match="give --roundtrip too"):
+        C.body(tyro.cli(C.CalibrateConfig, args=["--roundtrip-repeats", "3", "--out", str(tmp_path / "x")]))
+    # a round trip from an older calibrate (no interval method recorded) is named, not pooled
+    old = json.loads((out / "rep-0" / "roundtrip.json").read_text())
+    del old["intervals"]
+    (out / "rep-0" / "roundtrip.json").write_text(json.dumps(old))
+    with pytest.raises(MeshHealError, match="other settings .*'intervals': \\(None"):
+        C.roundtrip_coverage(out, 2, **settings)
 
 
 def test_cli_flags():
@@ -391,9 +400,19 @@ def test_effective_clopper_pearson():
     # twice the binomial standard error (correlated samples): n_eff = 25, so 7.5 events in 25
     low, high = C.effective_clopper_pearson(np.array(0.3), 2 * np.sqrt(0.3 * 0.7 / 100), 100, 0.95)
     np.testing.assert_allclose([low, high], [beta.ppf(0.025, 7.5, 18.5), beta.ppf(0.975, 8.5, 17.5)])
-    # a share at exactly 0 (the bootstrap cannot move it): the exact bound at n
-    low, high = C.effective_clopper_pearson(np.array(0.0), 0.0, 40, 0.95)
-    assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 40))
+    # a share at exactly 0 or 1: the exact bound at n, whatever the bootstrap's spread (a round-2
+    # EM anchor can be exactly 0 with replicates above it)
+    for se in (0.0, 0.05):
+        low, high = C.effective_clopper_pearson(np.array(0.0), se, 40, 0.95)
+        assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 40))
+        low, high = C.effective_clopper_pearson(np.array(1.0), se, 40, 0.95)
+        assert low == pytest.approx(0.025 ** (1 / 40)) and high == 1.0
+    # a categorical's anchors at once, each at its own effective size
+    value, se = np.array([0.0, 0.3, 0.7, 0.0]), np.array([0.0, np.sqrt(0.21 / 100), np.sqrt(0.21 / 25), 0.01])
+    both = C.effective_clopper_pearson(value, se, 100, 0.95)
+    for k in range(4):
+        np.testing.assert_allclose(both[k], C.effective_clopper_pearson(value[k], se[k], 100, 0.95))
+    np.testing.assert_allclose(both[2], [beta.ppf(0.025, 17.5, 8.5), beta.ppf(0.975, 18.5, 7.5)])
     # n_eff never exceeds n; an undefined share keeps an undefined interval
     tight = C.effective_clopper_pearson(np.array(0.3), 1e-6, 100, 0.95)
     np.testing.assert_allclose(
@@ -409,8 +428,12 @@ def test_binomial_interval_holds_the_effective_clopper_pearson():
     reps = np.concatenate([[0.05], rng.binomial(60, 0.05, size=200) / 60])  # 3 events in 60
     e = C.Estimate(reps=reps, n=60, binomial=True)
     exact = C.effective_clopper_pearson(reps[0], e.se, 60, 0.95)
-    low, high = e.interval(0.95)
-    assert low <= exact[0] and high >= exact[1] and high > np.percentile(reps[1:], 97.5)
+    percentile = np.percentile(reps[1:], [2.5, 97.5])
+    np.testing.assert_allclose(e.interval(0.95), [min(percentile[0], exact[0]), max(percentile[1], exact[1])])
+    assert exact[1] > percentile[1]  # here the exact interval is the wider one
+    # round 2's share counts only its fresh draws (trials), not the followed judgements
+    fewer = C.Estimate(reps=reps, n=60, binomial=True, trials=20)
+    assert fewer.interval(0.95)[1] >= e.interval(0.95)[1]
     plain = C.Estimate(reps=reps, n=60)  # not a share: the percentile interval alone
     np.testing.assert_allclose(plain.interval(0.95), np.percentile(reps[1:], [2.5, 97.5]))
 
