@@ -169,9 +169,9 @@ def test_hop_per_task_convergence_equals_reference_and_routes_on_stale_tables():
     """convergence="hop_per_task" (protocol.md §2's extension, decisions P6): both engines relax the
     tables one step per task and not when a state changes, so a task can still head for an agent
     isolated during it. Every table equals the reference's. On the ring (seed 9, the shipped model
-    files) one task, 75, takes another route than with instant convergence, with one more relay (on
-    these 6-agent graphs every ability has three holders, so stale entries rarely change a next
-    hop)."""
+    files) three tasks, 75, 109 and 119, take other routes than with instant convergence, with two
+    more relays (on these 6-agent graphs every ability has three holders, so stale entries rarely
+    change a next hop; one task, 75, with the third fit command's files)."""
     path = (sparse_spec(PATH_6, (0, 1, 5), 0),
             ProtocolParams(probe_interval=2, warmup_per_six=3, route_limit=2, move_limit=3))  # fmt: skip
     ring = (sparse_spec(RING_6, (3, 5), 9), ProtocolParams(probe_interval=3, warmup_per_six=5, move_limit=3))
@@ -180,8 +180,8 @@ def test_hop_per_task_convergence_equals_reference_and_routes_on_stale_tables():
         tables = assert_equal_to_reference([spec], hop)[0]
     instant = engine.run_streams([ring[0]], ring[1], lanes=1)[0]
     differ = tables["tasks"].filter(tables["tasks"]["route"] != instant["tasks"]["route"])
-    assert differ["t"].to_list() == [75]
-    assert routing_events(tables, hop)["relay"] == routing_events(instant, ring[1])["relay"] + 1
+    assert differ["t"].to_list() == [75, 109, 119]
+    assert routing_events(tables, hop)["relay"] == routing_events(instant, ring[1])["relay"] + 2
     with pytest.raises(MeshHealError, match="unknown convergence 'slow'"):
         ProtocolParams(convergence="slow")
 
