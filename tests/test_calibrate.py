@@ -81,10 +81,11 @@ def test_intervals_cover_at_their_level_over_independent_round_trips(tmp_path):
     CLI's default), the values inside their 95% interval, pooled and per band of expected events.
     Each bound is three binomial standard errors below 0.95 for the band's count of values
     (~60-850). Measured (`calibrate --roundtrip --roundtrip-repeats 20`): with C4's percentile
-    intervals, shares from 5-20 events were covered 0.879 of the time (239 values: this fails),
-    20-100 events 0.927; with decisions C11 0.954 and 0.948, all values 0.948 -> 0.964. One trace
-    cannot test this: a 99.9% check of its ~100 values would miss one by chance alone in about
-    1 - 0.999^100 ~ 10% of seed sets, even with exact intervals."""
+    intervals and the third fit command's files, shares from 5-20 events were covered 0.879 of
+    the time (239 values: this fails); with decisions C11 0.954. With the current files: 0.953
+    with C4's, 0.987 with C11's (all values 0.953 -> 0.966). One trace cannot test this: a 99.9%
+    check of its ~100 values would miss one by chance alone in about 1 - 0.999^100 ~ 10% of seed
+    sets, even with exact intervals."""
     coverage = C.roundtrip_coverage(tmp_path / "coverage", 20, seeds_per=8, n_boot=200)
     assert coverage["values"] >= 1500
     assert coverage["covered"] / coverage["values"] >= 0.93
