@@ -215,6 +215,19 @@ def test_evaluator_equals_the_reference_engine():
     assert rows[0] != rows[1]  # the candidates really differ
 
 
+def test_evaluator_batches_give_the_rows_of_one_batch(monkeypatch):
+    """A generation larger than MAX_STREAMS streams runs in several batches (32 fit seeds x 24
+    candidates ran out of memory in one); each candidate's rows and gaps are those of one batch."""
+    ev = fit.Evaluator((100, 101), ("bbh",))
+    base = fit.base_docs()
+    pairs = [fit.pair_of(fit.decode(fit.encode(base) + d, base)) for d in (0.0, 0.3, -0.3)]
+    whole_gaps, split_gaps = [], []
+    whole = ev.rows(pairs, whole_gaps)
+    monkeypatch.setattr(fit, "MAX_STREAMS", len(ev.streams))  # one candidate per batch
+    assert ev.rows(pairs, split_gaps) == whole and split_gaps == whole_gaps
+    assert whole[0] != whole[1]  # the candidates differ, so order matters
+
+
 def test_structure_scan_evaluates_each_point_and_its_degraded_gap(tmp_path, capsys):
     ev = fit.Evaluator((100,), ("bbh",))
     cfg = fit.FitConfig(scan_spread=(0.0, 1.0), scan_review=(0.0,), scan_blame=(0.0, 0.5), out=tmp_path)
