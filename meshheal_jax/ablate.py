@@ -55,22 +55,20 @@ def check_names(given: tuple[str, ...], known: tuple[str, ...], what: str) -> No
         raise MeshHealError(f"{what} must be distinct, got {list(given)}")
 
 
-ARM_FLAGS = {"ablate": "--variants", "detectors": "--detectors"}  # what names a command's arms
-
-
 def run_all(
     name: str,
     experiments: dict[str, runner.Experiment],
     out: Path,
     progress: bool,
+    arm_flag: str,
     lanes: int | None = None,
     checkpoint_every: float = CHECKPOINT_EVERY_S,
 ) -> dict:
     """Run (or resume) each experiment in out/<key>/; write and return the combined summary
     (`lanes`, `checkpoint_every`: runner.run's). A folder holding another key's run is refused
-    (runner.check_arms)."""
+    (runner.check_arms; `arm_flag`: the command's flag that names its keys)."""
     runner.check_lanes(lanes)
-    runner.check_arms(out, list(experiments), ARM_FLAGS.get(name, "arms"))
+    runner.check_arms(out, list(experiments), arm_flag)
     for key, exp in experiments.items():  # every configuration checked before anything runs
         runner.with_recorded_commits(exp, out / key).validate()  # (a resume reads its recorded commits)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,7 +174,7 @@ def body(cfg: AblateConfig) -> None:
     check_names(tuple(cfg.variants), VARIANTS, "variants")
     out = combined_out("ablate", cfg.out)
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
-    summary = run_all("ablate", experiments, out, progress=not cfg.quiet, **cfg.run_options())
+    summary = run_all("ablate", experiments, out, not cfg.quiet, "--variants", **cfg.run_options())
     print_summary(summary)
     print(f"results: {out}")
 

@@ -82,6 +82,7 @@ say which fall outside.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -608,7 +609,7 @@ def effective_clopper_pearson(value: np.ndarray, se: np.ndarray, n: float, level
     inner = (se > 0) & (value > 0) & (value < 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         n_eff = np.where(inner, value * (1.0 - value) / np.square(se), n)
-    n_eff = np.clip(np.nan_to_num(n_eff, nan=float(n)), min(1.0, n), n)
+    n_eff = np.clip(n_eff, min(1.0, n), n)
     x = value * n_eff
     alpha = 1.0 - level
     with np.errstate(invalid="ignore"):
@@ -655,7 +656,7 @@ class Estimate:
             low, high = np.fmin(low, exact[..., 0]), np.fmax(high, exact[..., 1])
         return np.stack([low - self.slack, high + self.slack], axis=-1)
 
-    @property
+    @functools.cached_property
     def se(self) -> np.ndarray:
         """Bootstrap standard error (nan where no replicate defines the value)."""
         with warnings.catch_warnings():
@@ -957,16 +958,18 @@ def base_models(base_dir: Path, stems: Sequence[str]) -> dict[str, ModelParams]:
     return {stem: load_model(stem, base_dir) for stem in stems}
 
 
-def interval_notes(estimates: dict[str, Estimate], level: float) -> dict[str, str]:
+def interval_notes(
+    estimates: dict[str, Estimate], intervals: dict[str, object], level: float
+) -> dict[str, str]:
     """The comment written beside each value of a fitted file (spec/calibrate.md: intervals beside
-    each value): its interval and count, or why the base file's value was kept."""
+    each value): its interval (`intervals`, JSON values by name) and count, or why the base file's
+    value was kept."""
     notes = {}
     for name, e in estimates.items():
         if not e.identified:
             notes[name] = f"kept from the base file ({e.note})" if e.note else "kept from the base file"
         elif e.written:
-            interval = _json_value(e.interval(level), e.integer)
-            notes[name] = f"{level * 100:g}% interval {interval}, n {e.n}".replace("None", "nan")
+            notes[name] = f"{level * 100:g}% interval {intervals[name]}, n {e.n}".replace("None", "nan")
     return notes
 
 
@@ -997,12 +1000,13 @@ def write_twin(result: Fit, out: Path, base_dir: Path, sources: Sequence[str], t
                   f"Structure set to 0, the fit assuming independent draws (the base's: "
                   + ", ".join(f"{k} {v:g}" for k, v in structure.items())
                   + f"); the baselines' token figures ({', '.join(BASELINE_TOKEN_KINDS)}) kept from it.")  # fmt: skip
+        intervals = {name: _json_value(e.interval(level), e.integer) for name, e in estimates.items()}
         path = out / f"{stem}.toml"
-        path.write_text(dump_model(model, header, interval_notes(estimates, level)))
+        path.write_text(dump_model(model, header, interval_notes(estimates, intervals, level)))
         load_model(path)  # the written file parses
         params = {}
         for name, e in estimates.items():
-            params[name] = {"value": _json_value(e.value, e.integer), "interval": _json_value(e.interval(level), e.integer),
+            params[name] = {"value": _json_value(e.value, e.integer), "interval": intervals[name],
                             "se": _json_value(e.se, False), "n": e.n, "identified": e.identified, "written": e.identified and e.written,
                             "proxy_share": round(e.proxy, 4), "note": e.note,
                             "base": _json_value(value_of(base[stem], name), e.integer or name == "n_distractors")}  # fmt: skip
@@ -1193,9 +1197,9 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
               "not_identified": [{"model": s, "parameter": n, "reason": e.note}
                                  for s, es in result.estimates.items() for n, e in es.items() if not e.identified],
               "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
-    written = out / "roundtrip.json.partial"  # whole or absent: a coverage study resumes on it
-    written.write_text(json.dumps(report, indent=2))
-    written.replace(out / "roundtrip.json")
+    runner.write_atomic(
+        out / "roundtrip.json", json.dumps(report, indent=2)
+    )  # a coverage study resumes on it
     return report
 
 

@@ -18,6 +18,7 @@ CONVERGENCE = ("instant", "hop_per_task")
 WINDOW_RESET = ("never", "on_isolation", "on_release")
 CHECKPOINT_EVERY_S = 60.0  # default seconds between checkpoints of unfinished streams (decisions X1)
 DETECTORS = ("relative", "absolute", "cusum")
+TAU_TO = 0.40  # protocol.md §4's low-score threshold: a score above it accepts an output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ProtocolParams:
     alpha: float = 1.2  # z threshold normal -> watched
     beta: float = 2.0  # z threshold for the consecutive counter (isolation after 2)
     consecutive_to_isolate: int = 2
-    tau_to: float = 0.40  # low-score threshold (committee and Takeover)
+    tau_to: float = TAU_TO  # low-score threshold (committee and Takeover)
     sigma_com: float = 0.55  # review disagreement threshold
     window_scores: int = 8  # W_mu (DECISION)
     window_shortfalls: int = 8  # W_x (DECISION)

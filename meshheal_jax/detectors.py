@@ -75,7 +75,7 @@ def body(cfg: DetectorsConfig) -> None:
         raise MeshHealError("this command takes --pairs (several), not --pair")
     out = combined_out("detectors", cfg.out)
     experiments = {detector: experiment(cfg, detector) for detector in cfg.detectors}
-    summary = run_all("detectors", experiments, out, progress=not cfg.quiet, **cfg.run_options())
+    summary = run_all("detectors", experiments, out, not cfg.quiet, "--detectors", **cfg.run_options())
     print_summary(summary)
     print(f"results: {out}")
 

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 import polars as pl
 
+from meshheal_jax.config import TAU_TO
 from meshheal_jax.streams import HealthSchedule
 
-LOW_SCORE = 0.40
+LOW_SCORE = TAU_TO
 TOL = 1e-9  # same tolerance in favour of crossing as the engines (spec/architecture.md)
 
 LABELS = {"method": pl.String, "dataset": pl.String, "pair": pl.String, "seed": pl.Int64}

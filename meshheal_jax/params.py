@@ -16,6 +16,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from meshheal_jax.config import TAU_TO
 from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.files import read_text
 from meshheal_jax.streams import DIFFICULTY_BINS
@@ -64,7 +65,7 @@ DIFFICULTY_Z = tuple(NormalDist().inv_cdf((b + 0.5) / DIFFICULTY_BINS) for b in 
 # wrong one; "sharper" (emulator.md: a committee member's round-2 categorical "is sharper than
 # round 1") is read as: a round-2 row gives a right verdict at least as often as the model's
 # round-1 row for the same (author role, correct) (docs/decisions.md E11).
-VERDICT_THRESHOLD = 0.40
+VERDICT_THRESHOLD = TAU_TO
 SHARPNESS_TOLERANCE = 1e-5  # rows are written with 6 decimals
 
 

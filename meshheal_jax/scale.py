@@ -111,8 +111,9 @@ def body(cfg: ScaleConfig) -> None:
     if out.exists() and not out.is_dir():
         raise MeshHealError(f"output path {out} exists and is not a folder")
     results, engine, backend, slots = [], None, None, None
-    runner.check_arms(out, topologies(cfg), "--sparse / --compare / --edges")
-    for topology in topologies(cfg):
+    arms = topologies(cfg)
+    runner.check_arms(out, arms, "--sparse / --compare / --edges")
+    for topology in arms:
         exp = experiment(cfg, topology)
         start = time.perf_counter()
         run = runner.run(exp, out / topology, progress=not cfg.quiet, **cfg.run_options())
