@@ -476,6 +476,14 @@ def select_phase(phase, base, table: dict):
     return treedef.unflatten(out)
 
 
+def set_at(x, k, value):
+    """x.at[k].set(value) along a short last axis, for k >= 0 (one past the end or beyond: x),
+    as a select against the positions: under vmap (a slot's, an observation's own index) the
+    indexed write is a scatter, a kernel of its own that XLA also copies its operand for; the
+    select fuses with its neighbours."""
+    return jnp.where(jnp.arange(x.shape[-1]) == k, jnp.asarray(value, x.dtype), x)
+
+
 def put(tree, i, one):
     return jax.tree_util.tree_map(lambda x, y: x.at[i].set(jnp.asarray(y).astype(x.dtype)), tree, one)
 
@@ -623,7 +631,7 @@ def _own_score(net: Net, i, task_type, s, q, evidence):
     w = net.scores.shape[-1]
     count = net.score_count[i, task_type, s]
     row = net.scores[i, task_type, s]
-    row = jnp.where(evidence, row.at[count % w].set(q), row)
+    row = jnp.where(evidence, set_at(row, count % w, q), row)
     count = count + evidence
     return row, count, window_mean(row, count)
 
@@ -713,7 +721,7 @@ def observe_relative(
     reference = jnp.sum(jnp.where(peers, peer_means, 0.0)) / jnp.maximum(n_peers, 1)
     record = evidence & (n_peers > 0)
     x = reference - q
-    shortfall_row = jnp.where(record, shortfall_row.at[n_x % ws].set(x), shortfall_row)
+    shortfall_row = jnp.where(record, set_at(shortfall_row, n_x % ws, x), shortfall_row)
     n_x = n_x + record
     own = window_mean(shortfall_row, n_x)
     score_row, score_count, score_mean = _own_score(net, i, task_type, s, q, evidence)
@@ -846,7 +854,7 @@ def isolation_changed(obs: Observation):
 
 def _log_action(slot: Slots, action) -> Slots:
     return dataclasses.replace(
-        slot, actions=slot.actions.at[slot.n_actions].set(action), n_actions=slot.n_actions + 1
+        slot, actions=set_at(slot.actions, slot.n_actions, action), n_actions=slot.n_actions + 1
     )
 
 
@@ -858,7 +866,7 @@ def _move(p: Params, slot: Slots, to, action) -> Slots:
     over = (slot.moves + 1 > p.move_limit) | (slot.since + 1 > p.route_limit)
     moved = _log_action(dataclasses.replace(
         slot, moves=slot.moves + 1, since=slot.since + 1, agent=to,
-        route=slot.route.at[slot.route_len].set(to), route_len=slot.route_len + 1), action)  # fmt: skip
+        route=set_at(slot.route, slot.route_len, to), route_len=slot.route_len + 1), action)  # fmt: skip
     return where_tree(over, _finish(slot, False, 1), moved)
 
 
@@ -1294,7 +1302,8 @@ def absorb_decide(
                  | (net.state[author] == WATCHED) | slot.probe_visit)  # fmt: skip
     n_rev = reviewers.sum()
     ka = pick_from_mask(u_route[D.COMMITTEE_A], reviewers)
-    kb = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], reviewers.at[ka].set(False)), ka)
+    others = set_at(reviewers, ka, False)  # read only where n_rev >= 2, so ka >= 0
+    kb = jnp.where(n_rev >= 2, pick_from_mask(u_route[D.COMMITTEE_B], others), ka)
     # no eligible reviewer left since the initial review (several slots only: another task's
     # evidence changed the states in between): its reviewer sits alone, A = B (decisions S11)
     a = jnp.where(ka >= 0, nb[jnp.maximum(ka, 0)], slot.reviewer)
@@ -1344,7 +1353,7 @@ def absorb_route(
     # An accepted output: Finalize answers; Contribute covers its ability and hands off.
     finished = _finish(_log_action(new, A_FINALIZE), True, 0)
     contributed = _log_action(new, A_CONTRIBUTE)
-    covered = contributed.covered.at[s].set(True)
+    covered = set_at(contributed.covered, s, True)
     contributed = dataclasses.replace(
         contributed, covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False)
     )
