@@ -801,9 +801,12 @@ def _wave(p: Params, world: World, net: Net, evidence, order, observations: Obse
     index = tuple(jnp.where(used, x, c) for x, c in zip((ev.author, ev.task_type, ev.ability), cell))
     net = write_rows(net, *index, rows)
     net = reset_evidence(reset, net, ev.author, obs, used)  # a wave's authors are distinct (they conflict)
-    target = jnp.where(used, slot_of, n_slots)  # padding dropped (slot 0 may be a real writer)
+    # each slot takes the record of the wave row that observed it, if any (a wave's slots are
+    # distinct; padding rows observe none: slot 0 may be a real writer); a select, not a scatter
+    hit = (slot_of[None, :] == jnp.arange(n_slots)[:, None]) & used[None, :]  # (slots, width)
+    row_of = jnp.argmax(hit, axis=1)
     observations = jax.tree_util.tree_map(
-        lambda o, new: o.at[target].set(new, mode="drop"), observations, obs
+        lambda o, new: jnp.where(hit.any(axis=1), new[row_of], o), observations, obs
     )
     return net, observations, pending & ~picked
 
