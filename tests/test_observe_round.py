@@ -42,11 +42,16 @@ def mid_run(detector: str):
     return params, engine.at(worlds, 0), net
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
-def both(detector, p, world, net, evidence, order, observations, width, later_width=None, reset="never"):
-    fast = engine.observe_round(
-        p, world, net, evidence, order, observations, detector, width, later_width, reset
-    )
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10))
+def both(detector, p, world, net, evidence, order, observations, width, later_width=None, reset="never",
+         select_writes=engine.SELECT_WRITES):  # fmt: skip
+    kept, engine.SELECT_WRITES = engine.SELECT_WRITES, select_writes  # read while tracing
+    try:
+        fast = engine.observe_round(
+            p, world, net, evidence, order, observations, detector, width, later_width, reset
+        )
+    finally:
+        engine.SELECT_WRITES = kept
 
     def one(n, state):
         net_, obs_ = state
@@ -73,18 +78,21 @@ def both(detector, p, world, net, evidence, order, observations, width, later_wi
 
 
 # width 3: first-wave writers beyond the third wait; later width 1: the later waves one by one;
-# reset: window_reset (an author entering or leaving isolation loses its evidence, decisions P7)
-@pytest.mark.parametrize("width, later_width, reset", [(SLOTS, None, "never"), (3, None, "never"), (3, 1, "never"),
-                                                       (SLOTS, None, "on_isolation"), (3, 1, "on_release")])  # fmt: skip
+# reset: window_reset (an author entering or leaving isolation loses its evidence, decisions P7);
+# select_writes 0: the waves' records reach their slots by a scatter, as in rounds with many slots
+@pytest.mark.parametrize("width, later_width, reset, select_writes", [
+    (SLOTS, None, "never", engine.SELECT_WRITES), (3, None, "never", engine.SELECT_WRITES),
+    (3, 1, "never", engine.SELECT_WRITES), (SLOTS, None, "on_isolation", engine.SELECT_WRITES),
+    (3, 1, "on_release", engine.SELECT_WRITES), (3, 1, "on_isolation", 0)])  # fmt: skip
 @pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_observe_round_equals_one_by_one(detector, width, later_width, reset, data):
+def test_observe_round_equals_one_by_one(detector, width, later_width, reset, select_writes, data):
     p, world, net = mid_run(detector)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     evidence, order, observations = random_round(rng, net, world)
     (net_fast, obs_fast), (net_slow, obs_slow) = both(
-        detector, p, world, net, evidence, order, observations, width, later_width, reset
+        detector, p, world, net, evidence, order, observations, width, later_width, reset, select_writes
     )
     kept = np.asarray(evidence.valid)
     net_leaves = [
@@ -214,6 +222,22 @@ def test_sort_floats_equals_sort(values):
     want = np.sort(values, axis=-1)
     assert got.dtype == np.float64
     assert np.array_equal(got.view(np.int64), want.view(np.int64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(-5, 5), min_size=3 * n, max_size=3 * n), st.lists(st.integers(0, n + 2), min_size=3, max_size=3),
+    st.lists(st.integers(-9, 9), min_size=3, max_size=3), st.just(n))))  # fmt: skip
+def test_set_at_equals_an_indexed_set(case):
+    """engine.set_at (a per-slot write as a select) is x.at[k].set(v) for every k >= 0, one past
+    the end and beyond included (dropped), row by row under vmap, as the engine uses it."""
+    values, ks, vs, n = case
+    x = np.reshape(values, (3, n)).astype(np.int32)
+    ks, vs = np.asarray(ks, np.int32), np.asarray(vs, np.int32)
+    got = jax.jit(jax.vmap(engine.set_at))(x, ks, vs)
+    want = jax.vmap(lambda row, k, v: row.at[k].set(v))(x, ks, vs)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.dtype == want.dtype
 
 
 @pytest.mark.parametrize("detector", ["relative", "absolute", "cusum"])
