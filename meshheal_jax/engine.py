@@ -1766,7 +1766,7 @@ def run_batch(cfg: EngineConfig, specs: list[StreamSpec], params, batched: bool,
     params: one Params for every stream, or (batched) a list with one per stream. chunk: default
     `default_chunk` of a lane's width. The streams are split into `lanes` (default `default_lanes`) groups of equal width (`lane_streams`) run side by side, each by its own
     thread with its own carry: one program's small kernels keep about one core busy with useful
-    work (XLA's hand-offs to its intra-op threads cost about what they gain), so each lane adds a
+    work (XLA's hand-offs to its intra-op threads cost more than they gain on 2 cores), so each lane adds a
     core, and lanes of the same shapes share one compiled program
     (decisions S7). With a mesh (several devices) use one lane; its streams are padded to the mesh
     and sharded over it. `on_progress(done, total)` is called with the tasks done in all lanes;
