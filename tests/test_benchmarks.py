@@ -74,3 +74,27 @@ def test_cache_cost_reports_its_parts():
         "insert in one transaction",
     }
     assert all(value.endswith(" µs") and float(value.split()[0]) > 0 for value in timed.values())
+
+
+def test_intra_op_times_each_configuration():
+    """benchmarks/intra_op.py at 6 agents, one turn: a round time for each of the four configurations,
+    and the gather's time and partitioned kernels by default and with one intra-op thread (how many
+    kernels XLA partitions depends on its flags: the tests' fast ones partition even with one thread)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "intra_op.py"), "--agents", "6", "--turns", "1",
+           "--chunks", "1", "--rounds", "4", "--skip", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split("|")[1].strip(), line.split("|")[2:])  # the round table comes first
+    for name in ("default", "PJRT_NPROC=1", "pinned", "compiled-1"):
+        assert float(rows[name][0]) > 0, done.stdout
+    gathers = [
+        line.split("|")
+        for line in done.stdout.splitlines()
+        if line.startswith(("| default |", "| PJRT_NPROC=1 |"))
+    ]
+    assert len(gathers) == 4  # a round row and a gather row each
+    for cells in gathers[2:]:
+        assert float(cells[2]) > 0 and cells[3].strip().isdigit(), done.stdout
