@@ -33,10 +33,12 @@ def _pin(core: int):
     return lambda: os.sched_setaffinity(0, {core})
 
 
-def _arm(args: argparse.Namespace, core: int | None) -> subprocess.Popen:
+def _arm(args: argparse.Namespace, core: int | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """An ab_rounds.py arm (build, then one turn per 'go'), pinned to `core` unless None; `env`:
+    default this checkout's package, no compile cache."""
     cmd = [sys.executable, str(HERE / "ab_rounds.py"), "--arm", "--agents", str(args.agents), "--streams",
            str(args.streams), "--chunks", str(args.chunks), "--rounds", str(args.rounds), "--skip", str(args.skip)]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), MESHHEAL_JAX_CACHE="off")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), MESHHEAL_JAX_CACHE="off") if env is None else env
     return subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             preexec_fn=None if core is None else _pin(core))  # noqa: PLW1509 (no threads here yet)  # fmt: skip
 
