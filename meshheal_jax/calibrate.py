@@ -1433,20 +1433,20 @@ def body(cfg: CalibrateConfig) -> None:
     if cfg.roundtrip:
         if cfg.run_dirs:
             raise MeshHealError("--roundtrip makes its own traces: give no run folders")
-        if cfg.roundtrip_repeats != 1:
-            coverage = roundtrip_coverage(cfg.out or Path("runs/calibrate-coverage"), cfg.roundtrip_repeats,
-                                          cfg.roundtrip_dataset, cfg.roundtrip_seeds, cfg.roundtrip_tasks, cfg.bootstrap,
-                                          cfg.seed, cfg.min_n, cfg.level, progress=not cfg.quiet)  # fmt: skip
+        study = cfg.roundtrip_repeats != 1  # a coverage study of several round trips
+        out = cfg.out or Path("runs/calibrate-coverage" if study else "runs/calibrate-roundtrip")
+        if study:
+            coverage = roundtrip_coverage(out, cfg.roundtrip_repeats, cfg.roundtrip_dataset, cfg.roundtrip_seeds,
+                                          cfg.roundtrip_tasks, cfg.bootstrap, cfg.seed, cfg.min_n, cfg.level,
+                                          progress=not cfg.quiet)  # fmt: skip
             if not cfg.quiet:
                 print_coverage(coverage)
-            print(f"results: {cfg.out or Path('runs/calibrate-coverage')}")
-            return
-        report = roundtrip(cfg.out or Path("runs/calibrate-roundtrip"), cfg.roundtrip_dataset,
-                           tuple(range(cfg.roundtrip_seeds)), cfg.roundtrip_tasks, cfg.bootstrap, cfg.seed, cfg.min_n,
-                           cfg.level, progress=not cfg.quiet)  # fmt: skip
-        if not cfg.quiet:
-            print_roundtrip(report)
-        print(f"results: {cfg.out or Path('runs/calibrate-roundtrip')}")
+        else:
+            report = roundtrip(out, cfg.roundtrip_dataset, tuple(range(cfg.roundtrip_seeds)), cfg.roundtrip_tasks,
+                               cfg.bootstrap, cfg.seed, cfg.min_n, cfg.level, progress=not cfg.quiet)  # fmt: skip
+            if not cfg.quiet:
+                print_roundtrip(report)
+        print(f"results: {out}")
         return
     if cfg.roundtrip_repeats != 1:
         raise MeshHealError("--roundtrip-repeats is a round-trip setting: give --roundtrip too")
