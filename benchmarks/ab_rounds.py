@@ -57,6 +57,19 @@ def arm(args: argparse.Namespace) -> None:
         print(f"seconds {(time.perf_counter() - t0) / (args.chunks * args.rounds)}", flush=True)
 
 
+def add_arm_options(ap: argparse.ArgumentParser, turns: int, skip: int = 4) -> None:
+    """The options an arm is built and timed with, and the turns: shared by the scripts that run
+    arms (this one, pinning.py, intra_op.py)."""
+    ap.add_argument("--agents", type=int, default=576)
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--turns", type=int, default=turns, help="turns per arm")
+    ap.add_argument("--chunks", type=int, default=4, help="chunks per turn")
+    ap.add_argument("--rounds", type=int, default=32, help="rounds per chunk")
+    ap.add_argument(
+        "--skip", type=int, default=skip, help="chunks run before the timed state (past the warm-up)"
+    )
+
+
 class ArmStopped(RuntimeError):
     pass
 
@@ -82,12 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("before", type=Path, nargs="?", help="checkout of the first arm")
     ap.add_argument("after", type=Path, nargs="?", help="checkout of the second arm")
-    ap.add_argument("--agents", type=int, default=576)
-    ap.add_argument("--streams", type=int, default=1)
-    ap.add_argument("--turns", type=int, default=15, help="turns per arm")
-    ap.add_argument("--chunks", type=int, default=4, help="chunks per turn")
-    ap.add_argument("--rounds", type=int, default=32, help="rounds per chunk")
-    ap.add_argument("--skip", type=int, default=4, help="chunks run before the timed state")
+    add_arm_options(ap, turns=15)
     ap.add_argument("--after-xla-flags", default="", help="XLA_FLAGS added to the second arm only (an XLA "
                     "flag A/B: give the same checkout twice)")  # fmt: skip
     ap.add_argument("--arm", action="store_true", help=argparse.SUPPRESS)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ab_rounds import ArmStopped, _reply, _turn
+from ab_rounds import ArmStopped, _reply, _turn, add_arm_options
 from pinning import _arm
 
 
@@ -78,14 +78,7 @@ def child(args: list[str], env: dict[str, str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--agents", type=int, default=576)
-    ap.add_argument("--streams", type=int, default=1)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=32)
-    ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument(
-        "--skip", type=int, default=3, help="chunks run before the timed state (past the warm-up)"
-    )
+    add_arm_options(ap, turns=6, skip=3)
     ap.add_argument("--gather", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gather:

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from ab_rounds import add_arm_options
+
 SCENARIOS = {"one process, free": ["free0"], "one process, pinned": ["pin0"],
              "two processes, free": ["free0", "free1"], "two processes, pinned": ["pin0", "pin1"]}  # fmt: skip
 
@@ -58,12 +61,7 @@ def _read(proc: subprocess.Popen, word: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--agents", type=int, default=576)
-    ap.add_argument("--streams", type=int, default=1)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=32)
-    ap.add_argument("--skip", type=int, default=4)
+    add_arm_options(ap, turns=8)
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
