@@ -3,9 +3,10 @@ back as self time per XLA op (a thunk's time minus the ops nested in it), plus t
 and how many rounds a task takes.
 
 The network is the scale experiment's (replicated bbh profile, sparse graph, slots N/6); the
-profiled chunk starts after `--skip` chunks, so it is past the detector's warm-up. The chunk is
-timed once without the profiler (the per-round figure) and once under it (the op tables; the
-profiler roughly doubles the time, so read the tables' shares, not their milliseconds). The first
+profiled chunk starts after `--skip` chunks, so it is past the detector's warm-up. From there,
+`--timed` chunks run one after another without the profiler (the per-round figure: their median),
+and the first of them once more under it (the op tables; the profiler roughly doubles the time,
+so read the tables' shares, not their milliseconds). The first
 table groups ops by executions per round (a loop body's ops run equally often), the second lists
 the largest. The profiler inflates ops that run many times per round: a share held by a loop of
 tiny ops is an upper bound, to be checked by an A/B without the profiler.
@@ -28,6 +29,7 @@ import collections
 import gzip
 import json
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -119,7 +121,7 @@ def round_part(functions: list[str] | None, depth: int) -> str:
 
 
 # host-side events of the profiler and of JAX's dispatch, not XLA ops
-HOST = ("$", "PjitFunction", "ThunkExecutor", "TfrtCpu", "PjRt", "ThreadpoolListener")
+HOST = ("$", "PjitFunction", "ThunkExecutor", "TfrtCpu", "PjRt", "CommonPjRt", "ThreadpoolListener")
 END = "end: "  # the profiler's event for an op's completion: its time is charged to the op, not counted
 
 
@@ -138,6 +140,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=64, help="rounds in the profiled chunk")
     ap.add_argument("--skip", type=int, default=3, help="chunks run before it (past the warm-up)")
+    ap.add_argument("--timed", type=int, default=5, help="chunks timed without the profiler (median)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument(
         "--by-function",
@@ -164,11 +167,18 @@ def main() -> None:
         jax.block_until_ready(out)
         return out
 
-    first = fresh()
-    start = time.perf_counter()
-    after, _ = chunk(first)
-    seconds = time.perf_counter() - start
-    finished = B.tasks_finished(cfg, after) - B.tasks_finished(cfg, carry)
+    # the per-round figure: the median of `--timed` chunks run one after another, each on the last
+    # one's carry (a chunk on a freshly copied carry ran ~20% slower than the chunks after it)
+    run = fresh()
+    seconds_each, finished_each = [], []
+    for _ in range(args.timed):
+        before = B.tasks_finished(cfg, run)
+        start = time.perf_counter()
+        run, _ = chunk(run)
+        seconds_each.append(time.perf_counter() - start)
+        finished_each.append(B.tasks_finished(cfg, run) - before)
+    seconds = statistics.median(seconds_each)
+    finished = round(statistics.median(finished_each))
 
     second = fresh()
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,8 +193,8 @@ def main() -> None:
     slots = cfg.slots * args.streams
     print(f"{n} agents sparse, {args.streams} stream(s), slots {cfg.slots}, chunk of {args.rounds} rounds "
           f"after {args.skip} chunks (jax {jax.__version__})")  # fmt: skip
-    print(f"round: {1e3 * seconds / args.rounds:.3f} ms without the profiler; {finished} tasks finished in "
-          f"the chunk: {finished / args.rounds:.2f} tasks per round, {slots * args.rounds / max(finished, 1):.1f} "
+    print(f"round: {1e3 * seconds / args.rounds:.3f} ms without the profiler (median of {args.timed} chunks); "
+          f"{finished} tasks finished in a chunk: {finished / args.rounds:.2f} tasks per round, {slots * args.rounds / max(finished, 1):.1f} "
           f"slot-rounds per task")  # fmt: skip
     # the draws made ahead, timed apart: a task's entry, infer and route uniforms and its calls key
     # (58 uniforms; decisions D4), as a window refill makes them, on 8,192 tasks (a cost per task,

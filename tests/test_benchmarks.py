@@ -98,3 +98,28 @@ def test_intra_op_times_each_configuration():
     assert len(gathers) == 4  # a round row and a gather row each
     for cells in gathers[2:]:
         assert float(cells[2]) > 0 and cells[3].strip().isdigit(), done.stdout
+
+
+def test_profile_round_reads_its_trace():
+    """benchmarks/profile_round.py at 6 agents: a round time, an op count, and shares in each of its
+    three tables (by executions per round, largest ops, by engine function: the last reads the
+    compiled HLO's stack frames, which a new XLA may lay out otherwise), host events left out."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_round.py"), "--agents", "6", "--rounds", "8",
+           "--skip", "1", "--timed", "2", "--top", "5", "--by-function", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert float(out.split("round: ")[1].split(" ms")[0]) > 0, out
+    assert int(out.split(" op executions per round")[0].split()[-1]) > 0, out
+    tables = [block for block in out.split("\n\n") if block.startswith("| ")]
+    assert [t.splitlines()[0].split("|")[1].strip() for t in tables] == [
+        "executions per round", "op", "part of the round (traced by)"
+    ], out  # fmt: skip
+    for table in tables:
+        lines = table.splitlines()
+        column = [cell.strip() for cell in lines[0].split("|")].index("share")
+        shares = [float(line.split("|")[column].strip().rstrip("%")) for line in lines[2:]]
+        assert shares and all(0 <= s <= 100 for s in shares) and sum(shares) > 0, table
+    assert any("absorb_round" in line for line in tables[2].splitlines()), tables[2]
+    ops = [line.split("|")[1].strip() for line in tables[1].splitlines()[2:]]
+    assert not any(name.startswith(("PjRt", "CommonPjRt", "Pjit", "ThunkExecutor")) for name in ops), ops
