@@ -34,7 +34,6 @@ from meshheal_jax.device import on_device, stack
 from meshheal_jax.draws import categorical, pick_from_mask, pick_index
 from meshheal_jax.errors import Cancelled, MeshHealError
 from meshheal_jax.metrics import SCHEMAS
-from meshheal_jax.packed import packed
 from meshheal_jax.params import ANCHORS, CALL_KINDS, JUDGED_RIGHT_ON_WRONG_DRAFT, Pair, threshold_table
 from meshheal_jax.streams import HealthSchedule, Stream
 from meshheal_jax.topology import Network
@@ -237,66 +236,61 @@ class Net:
     shortfall_mean: jax.Array  # (N, T, A) float64
 
 
-@packed
+@pytree
 class Slots:
-    """In-flight tasks, leading axis (S,). Controller-visible only. Packed (`packed.packed`): one
-    array per dtype, a field a view of its columns, `slot.replace(...)` to write fields."""
+    """In-flight tasks, leading axis (S,). Controller-visible only."""
 
-    FIELDS = (
-        ("t", jnp.int32, ()),  # task index (1-based), 0 = none
-        ("phase", jnp.int32, ()),
-        ("agent", jnp.int32, ()),
-        ("entry", jnp.int32, ()),
-        ("moves", jnp.int32, ()),
-        ("since", jnp.int32, ()),  # moves since the last output
-        ("pair", jnp.int32, ()),  # inferred pair
-        ("ability", jnp.int32, ()),  # the held ability of the current output
-        ("reviewer", jnp.int32, ()),
-        ("member_a", jnp.int32, ()),
-        ("member_b", jnp.int32, ()),
-        ("answer_id", jnp.int32, ()),  # answer id returned with the final answer (controller's view)
-        ("end", jnp.int32, ()),  # END_NAMES index
-        ("route_len", jnp.int32, ()),
-        ("n_actions", jnp.int32, ()),
-        ("calls", jnp.int32, ()),
-        ("prompt_tokens", jnp.int32, ()),
-        ("completion_tokens", jnp.int32, ()),
-        ("unreviewed", jnp.int32, ()),
-        ("route", jnp.int32, MAX_ROUTE),
-        ("actions", jnp.int32, MAX_ACTIONS),
-        ("probe_visit", jnp.bool_, ()),
-        ("finalize", jnp.bool_, ()),
-        ("committee", jnp.bool_, ()),
-        ("answered", jnp.bool_, ()),
-        ("covered", jnp.bool_, None),  # (A,) the abilities covered so far
-        ("q0", jnp.float64, ()),
-        ("s_u", jnp.float64, ()),
-        ("q", jnp.float64, ()),
-        ("samples", jnp.float64, 3),
-        ("round1", jnp.float64, 2),
-        ("round2", jnp.float64, 2),
-    )
+    t: jax.Array  # task index (1-based), 0 = none
+    phase: jax.Array
+    agent: jax.Array
+    entry: jax.Array
+    moves: jax.Array
+    since: jax.Array  # moves since the last output
+    probe_visit: jax.Array  # bool
+    pair: jax.Array  # inferred pair
+    covered: jax.Array  # (S, A) bool
+    ability: jax.Array  # the held ability of the current output
+    finalize: jax.Array  # bool
+    reviewer: jax.Array
+    member_a: jax.Array
+    member_b: jax.Array
+    samples: jax.Array  # (S, 3) float64
+    q0: jax.Array
+    s_u: jax.Array
+    committee: jax.Array  # bool
+    round1: jax.Array  # (S, 2) float64
+    round2: jax.Array  # (S, 2) float64
+    q: jax.Array
+    answer_id: jax.Array  # answer id returned with the final answer (controller's view)
+    answered: jax.Array  # bool
+    end: jax.Array  # END_NAMES index
+    route: jax.Array  # (S, MAX_ROUTE) int32
+    route_len: jax.Array
+    actions: jax.Array  # (S, MAX_ACTIONS) int32
+    n_actions: jax.Array
+    calls: jax.Array
+    prompt_tokens: jax.Array
+    completion_tokens: jax.Array
+    unreviewed: jax.Array
 
 
-@packed
+@pytree
 class Backend:
-    """The emulator's own per-slot latent state (never read by the controller); packed like Slots."""
+    """The emulator's own per-slot latent state (never read by the controller)."""
 
-    FIELDS = (
-        ("pair_ok", jnp.bool_, ()),
-        ("part_ok", jnp.bool_, ()),
-        ("answer_ok", jnp.bool_, ()),
-        ("draft_ok", jnp.bool_, ()),
-        ("result_ok", jnp.bool_, ()),  # correctness of the output the task keeps (after Takeover)
-        ("pending", jnp.bool_, ()),  # a Contribute's kept output not yet folded into the draft
-        ("part_role", jnp.int32, ()),
-        ("part_tokens", jnp.int32, ()),
-        ("answer_tokens", jnp.int32, ()),
-        ("draft_tokens", jnp.int32, ()),
-        ("explanation_tokens", jnp.int32, ()),  # round-1 explanations, summed
-        ("candidate_tokens", jnp.int32, ()),  # candidates, summed
-        ("result_tokens", jnp.int32, ()),
-    )
+    pair_ok: jax.Array  # (S,) bool
+    part_ok: jax.Array
+    part_role: jax.Array
+    part_tokens: jax.Array
+    answer_ok: jax.Array
+    answer_tokens: jax.Array
+    draft_ok: jax.Array
+    draft_tokens: jax.Array
+    explanation_tokens: jax.Array  # round-1 explanations, summed
+    candidate_tokens: jax.Array  # candidates, summed
+    result_ok: jax.Array  # correctness of the output the task keeps (after Takeover)
+    result_tokens: jax.Array
+    pending: jax.Array  # a Contribute's kept output not yet folded into the draft
 
 
 def fresh_backend_slot() -> Backend:
@@ -322,7 +316,7 @@ def initial_slots(cfg: EngineConfig) -> Slots:
     zi = jnp.zeros(s, jnp.int32)
     zb = jnp.zeros(s, bool)
     zf = jnp.zeros(s, jnp.float64)
-    return Slots.make(
+    return Slots(
         t=zi, phase=zi, agent=zi, entry=zi, moves=zi, since=zi, probe_visit=zb, pair=zi,
         covered=jnp.zeros((s, cfg.n_abilities), bool), ability=zi, finalize=zb, reviewer=zi,
         member_a=zi, member_b=zi, samples=jnp.zeros((s, 3)), q0=zf, s_u=zf, committee=zb,
@@ -336,9 +330,9 @@ def initial_slots(cfg: EngineConfig) -> Slots:
 def initial_backend(n_slots: int) -> Backend:
     zi = jnp.zeros(n_slots, jnp.int32)
     zb = jnp.zeros(n_slots, bool)
-    return Backend.make(pair_ok=zb, part_ok=zb, part_role=zi, part_tokens=zi, answer_ok=zb, answer_tokens=zi,
-                        draft_ok=jnp.ones(n_slots, bool), draft_tokens=zi, explanation_tokens=zi,
-                        candidate_tokens=zi, result_ok=zb, result_tokens=zi, pending=zb)  # fmt: skip
+    return Backend(pair_ok=zb, part_ok=zb, part_role=zi, part_tokens=zi, answer_ok=zb, answer_tokens=zi,
+                   draft_ok=jnp.ones(n_slots, bool), draft_tokens=zi, explanation_tokens=zi,
+                   candidate_tokens=zi, result_ok=zb, result_tokens=zi, pending=zb)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -875,17 +869,19 @@ def isolation_changed(obs: Observation):
 
 
 def _log_action(slot: Slots, action) -> Slots:
-    return slot.replace(actions=set_at(slot.actions, slot.n_actions, action), n_actions=slot.n_actions + 1)
+    return dataclasses.replace(
+        slot, actions=set_at(slot.actions, slot.n_actions, action), n_actions=slot.n_actions + 1
+    )
 
 
 def _finish(slot: Slots, answered, end) -> Slots:
-    return slot.replace(phase=jnp.int32(FINISHED), answered=answered, end=jnp.int32(end))
+    return dataclasses.replace(slot, phase=jnp.int32(FINISHED), answered=answered, end=jnp.int32(end))
 
 
 def _move(p: Params, slot: Slots, to, action) -> Slots:
     over = (slot.moves + 1 > p.move_limit) | (slot.since + 1 > p.route_limit)
-    moved = _log_action(slot.replace(
-        moves=slot.moves + 1, since=slot.since + 1, agent=to,
+    moved = _log_action(dataclasses.replace(
+        slot, moves=slot.moves + 1, since=slot.since + 1, agent=to,
         route=set_at(slot.route, slot.route_len, to), route_len=slot.route_len + 1), action)  # fmt: skip
     return where_tree(over, _finish(slot, False, 1), moved)
 
@@ -935,12 +931,12 @@ def _route_step(
 
     # a relay and a handoff are the same next hop, logged as different actions (one traced copy:
     # a relay starts from a non-probe visit, so both leave probe_visit False)
-    hop_slot = _next_hop(
-        cfg, p, world, net, slot, missing, u_route, jnp.where(isolated_relay, A_RELAY, A_HANDOFF)
-    ).replace(probe_visit=jnp.bool_(False))
-    probe_slot = _move(p, slot, j, A_PROBE).replace(probe_visit=jnp.bool_(True))
-    work_slot = slot.replace(phase=jnp.int32(GENERATE), ability=jnp.argmax(held).astype(jnp.int32),
-                             finalize=jnp.all(held == missing))  # fmt: skip
+    hop_slot = dataclasses.replace(
+        _next_hop(cfg, p, world, net, slot, missing, u_route, jnp.where(isolated_relay, A_RELAY, A_HANDOFF)),
+        probe_visit=jnp.bool_(False))  # fmt: skip
+    probe_slot = dataclasses.replace(_move(p, slot, j, A_PROBE), probe_visit=jnp.bool_(True))
+    work_slot = dataclasses.replace(slot, phase=jnp.int32(GENERATE), ability=jnp.argmax(held).astype(jnp.int32),
+                                    finalize=jnp.all(held == missing))  # fmt: skip
 
     # probing excludes a relay; a handoff excludes both
     new_slot = where_tree(probing, probe_slot, where_tree(isolated_relay | handoff, hop_slot, work_slot))
@@ -978,9 +974,9 @@ def stamp_probes(net: Net, probed, t) -> Net:
 def _start(cfg: EngineConfig, p: Params, world: World, net: Net, slot: Slots, t, draws_t) -> Slots:
     """Entry pick and RawRelay toward a non-isolated agent; then the slot needs InferAbilities."""
     entry = pick_index(draws_t.entry, cfg.n_agents)
-    slot = at(initial_slots(dataclasses.replace(cfg, slots=1)), 0).replace(
-        t=t, phase=jnp.int32(INFER), agent=entry, entry=entry,
-        route=jnp.full(MAX_ROUTE, -1, jnp.int32).at[0].set(entry), route_len=jnp.int32(1),
+    slot = dataclasses.replace(
+        at(initial_slots(dataclasses.replace(cfg, slots=1)), 0), t=t, phase=jnp.int32(INFER), agent=entry,
+        entry=entry, route=jnp.full(MAX_ROUTE, -1, jnp.int32).at[0].set(entry), route_len=jnp.int32(1),
     )  # fmt: skip
     column = cfg.n_abilities
 
@@ -1106,9 +1102,9 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     question = world.question_tokens[jnp.maximum(t - 1, 0)]
     roles = _role(world, r.agent, s, t)  # (3,) the reviewers' / committee members' models, once
     fold = (r.phase == GENERATE) & b.pending  # the previous Contribute's output joins the draft
-    b = b.replace(draft_ok=jnp.where(fold, b.draft_ok & b.result_ok, b.draft_ok),
-                  draft_tokens=jnp.where(fold, b.draft_tokens + b.result_tokens, b.draft_tokens),
-                  pending=b.pending & ~fold)  # fmt: skip
+    b = dataclasses.replace(b, draft_ok=jnp.where(fold, b.draft_ok & b.result_ok, b.draft_ok),
+                            draft_tokens=jnp.where(fold, b.draft_tokens + b.result_tokens, b.draft_tokens),
+                            pending=b.pending & ~fold)  # fmt: skip
     ctx = question + b.draft_tokens  # question + accepted draft
     judged = ctx + b.part_tokens
     zeros3f, zeros3i = jnp.zeros(3), jnp.zeros(3, jnp.int32)
@@ -1134,7 +1130,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
                      truth=none3.at[0].set((inferred == true_pair).astype(jnp.int32)),
                      prompt=zeros3i.at[0].set(p.prompt[role_i, K_INFER] + question),
                      completion=zeros3i.at[0].set(_completion(p, role_i, K_INFER, u_infer[D.INFER_TOKENS])))  # fmt: skip
-    infer_b = fresh_backend_slot().replace(pair_ok=inferred == true_pair)
+    infer_b = dataclasses.replace(fresh_backend_slot(), pair_ok=inferred == true_pair)
 
     # generate
     ug = u_calls[D.GENERATE]
@@ -1148,8 +1144,8 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     gen_out = dict(out, answer_id=jnp.where(r.finalize, answer_id, 0), role=zeros3i.at[0].set(role_g),
                    truth=none3.at[0].set(jnp.where(r.finalize, answer_ok, part_ok).astype(jnp.int32)),
                    prompt=zeros3i.at[0].set(p.prompt[role_g, K_GENERATE] + ctx), completion=zeros3i.at[0].set(comp_g))  # fmt: skip
-    gen_b = b.replace(
-        part_ok=part_ok, part_role=role_g, part_tokens=part_tokens, answer_ok=answer_ok & r.finalize,
+    gen_b = dataclasses.replace(
+        b, part_ok=part_ok, part_role=role_g, part_tokens=part_tokens, answer_ok=answer_ok & r.finalize,
         answer_tokens=part_tokens, result_ok=jnp.where(r.finalize, answer_ok, part_ok), result_tokens=part_tokens,
         pending=~r.finalize, candidate_tokens=jnp.int32(0))  # fmt: skip
 
@@ -1189,7 +1185,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
         return response, ((r0, c0), (r1, c1))
 
     r1_out, members = committee_round(K_COMMITTEE1, p.review_thr, (0.0, 0.0), False, p.rho_same, judged)
-    r1_b = b.replace(explanation_tokens=_visible(p, *members[0]) + _visible(p, *members[1]))
+    r1_b = dataclasses.replace(b, explanation_tokens=_visible(p, *members[0]) + _visible(p, *members[1]))
     r2_out, _ = committee_round(K_COMMITTEE2, p.round2_thr, r.other_score, True, p.p_follow,
                                 judged + b.explanation_tokens)  # fmt: skip
 
@@ -1204,7 +1200,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
     cand_out = dict(
         out, prompt=jnp.stack([pa, pb, 0]), completion=jnp.stack([ca, cb, 0]), role=jnp.stack([rca, rcb, 0])
     )
-    cand_b = b.replace(candidate_tokens=va + vb)
+    cand_b = dataclasses.replace(b, candidate_tokens=va + vb)
 
     us = u_calls[D.SYNTHESIS]
     role_s = roles[0]
@@ -1216,7 +1212,7 @@ def emulate_slot(p: Params, world: World, b: Backend, r: Requests, u_calls, u_in
                      prompt=zeros3i.at[0].set(p.prompt[role_s, K_SYNTHESIS] + judged + b.candidate_tokens),
                      completion=zeros3i.at[0].set(comp_s), role=zeros3i.at[0].set(role_s),
                      truth=none3.at[0].set(synth_ok.astype(jnp.int32)))  # fmt: skip
-    synth_b = b.replace(result_ok=synth_ok, result_tokens=_visible(p, role_s, comp_s))
+    synth_b = dataclasses.replace(b, result_ok=synth_ok, result_tokens=_visible(p, role_s, comp_s))
 
     branches = {INFER: (infer_b, infer_out), GENERATE: (gen_b, gen_out), REVIEW: (b, rev_out),
                 ROUND1: (r1_b, r1_out), ROUND2: (b, r2_out), CANDIDATES: (cand_b, cand_out),
@@ -1298,19 +1294,19 @@ def absorb_decide(
     u_route = draws_t.route[jnp.minimum(slot.moves, D.N_VISITS - 1)]
     n_calls = jnp.sum(resp.parse_ok)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    slot = slot.replace(calls=i32(slot.calls + n_calls),
-                        prompt_tokens=i32(slot.prompt_tokens + resp.prompt_tokens.sum()),
-                        completion_tokens=i32(slot.completion_tokens + resp.completion_tokens.sum()))  # fmt: skip
+    slot = dataclasses.replace(slot, calls=i32(slot.calls + n_calls),
+                               prompt_tokens=i32(slot.prompt_tokens + resp.prompt_tokens.sum()),
+                               completion_tokens=i32(slot.completion_tokens + resp.completion_tokens.sum()))  # fmt: skip
     author, s = slot.agent, slot.ability
     nb = world.nbr[author]
     reviewers = _reviewers(world, net, author, s)
 
     # INFER -> routing
-    after_infer = _log_action(slot, A_INFER).replace(pair=resp.pair, phase=jnp.int32(ROUTE))
+    after_infer = dataclasses.replace(_log_action(slot, A_INFER), pair=resp.pair, phase=jnp.int32(ROUTE))
     # GENERATE -> initial review (or accept unreviewed)
     no_reviewer = ~reviewers.any()
-    after_gen = slot.replace(
-        answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id),
+    after_gen = dataclasses.replace(
+        slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id),
         reviewer=pick_neighbour(u_route[D.REVIEWER], nb, reviewers), phase=jnp.int32(REVIEW),
         unreviewed=slot.unreviewed + no_reviewer)  # fmt: skip
     # REVIEW -> committee or done
@@ -1330,18 +1326,22 @@ def absorb_decide(
     b = jnp.where(kb >= 0, nb[jnp.maximum(kb, 0)], slot.reviewer)
     if cfg.variant == "single_reviewer":  # the initial reviewer in two isolated contexts
         a = b = slot.reviewer
-    after_review = slot.replace(samples=x, q0=q0, s_u=s_u, committee=committee, q=q0,
-                                member_a=jnp.where(committee, a, -1), member_b=jnp.where(committee, b, -1),
-                                phase=jnp.where(committee, ROUND1, phase).astype(jnp.int32))  # fmt: skip
-    after_r1 = slot.replace(round1=x[:2], phase=jnp.int32(ROUND2))
+    after_review = dataclasses.replace(slot, samples=x, q0=q0, s_u=s_u, committee=committee, q=q0,
+                                       member_a=jnp.where(committee, a, -1), member_b=jnp.where(committee, b, -1),
+                                       phase=jnp.where(committee, ROUND1, phase).astype(jnp.int32))  # fmt: skip
+    after_r1 = dataclasses.replace(slot, round1=x[:2], phase=jnp.int32(ROUND2))
     q = (x[0] + x[1]) / 2.0
     low = le_tol(q, p.tau_to, p.tol)
     if cfg.variant == "no_takeover":  # a low score leaves the output in place
         low = jnp.bool_(False)
     takeover_phase = SYNTH if cfg.variant == "single_reviewer" else CANDIDATES  # one correction call
-    after_r2 = slot.replace(round2=x[:2], q=q, phase=jnp.where(low, takeover_phase, phase).astype(jnp.int32))
-    after_cand = slot.replace(phase=jnp.int32(SYNTH))
-    after_synth = slot.replace(answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id))
+    after_r2 = dataclasses.replace(
+        slot, round2=x[:2], q=q, phase=jnp.where(low, takeover_phase, phase).astype(jnp.int32)
+    )
+    after_cand = dataclasses.replace(slot, phase=jnp.int32(SYNTH))
+    after_synth = dataclasses.replace(
+        slot, answer_id=jnp.where(slot.finalize, resp.answer_id, slot.answer_id)
+    )
 
     table = {INFER: after_infer, GENERATE: after_gen, REVIEW: after_review, ROUND1: after_r1,
              ROUND2: after_r2, CANDIDATES: after_cand, SYNTH: after_synth}  # fmt: skip
@@ -1370,10 +1370,14 @@ def absorb_route(
     finished = _finish(_log_action(new, A_FINALIZE), True, 0)
     contributed = _log_action(new, A_CONTRIBUTE)
     covered = set_at(contributed.covered, s, True)
-    contributed = contributed.replace(covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False))
+    contributed = dataclasses.replace(
+        contributed, covered=covered, since=jnp.int32(0), probe_visit=jnp.bool_(False)
+    )
     missing = world.pair_abilities[contributed.pair] & ~covered
     handed = _next_hop(cfg, p, world, net, contributed, missing, u_route, A_HANDOFF)
-    handed = handed.replace(phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32))
+    handed = dataclasses.replace(
+        handed, phase=jnp.where(handed.phase == FINISHED, FINISHED, ROUTE).astype(jnp.int32)
+    )
     new = where_tree(accepted, where_tree(slot.finalize, finished, handed), new)
     return _route(cfg, p, world, net, new, t, draws_t)
 
@@ -1481,8 +1485,8 @@ def _take_tasks(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> Car
         # busy slots' ts are placeholders (next_t - 1 before the first idle slot: index -1 of the
         # window, wrapped); their draws are discarded by `pick`, only the wanted slots' are read
         draws = slot_draws(window, ts)
-        started = jax.vmap(lambda slot, t, d: _start(cfg, p, world, net, slot, t, d).replace(pair=jnp.int32(-1)))(
-            slots, ts, draws)  # fmt: skip
+        started = jax.vmap(lambda slot, t, d: dataclasses.replace(_start(cfg, p, world, net, slot, t, d),
+                                                                  pair=jnp.int32(-1)))(slots, ts, draws)  # fmt: skip
 
         def pick(new, old):
             return jax.tree_util.tree_map(
@@ -1543,8 +1547,8 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
                                 backend.pair_ok.astype(jnp.int32)], axis=1)  # fmt: skip
     records = RoundRecords(requests, responses, reviews, review_truth, author_degraded, slots, finished_mask,
                            finished_truth)  # fmt: skip
-    slots = slots.replace(phase=jnp.where(finished_mask, IDLE, slots.phase).astype(jnp.int32),
-                          t=jnp.where(finished_mask, 0, slots.t))  # fmt: skip
+    slots = dataclasses.replace(slots, phase=jnp.where(finished_mask, IDLE, slots.phase).astype(jnp.int32),
+                                t=jnp.where(finished_mask, 0, slots.t))  # fmt: skip
     return dataclasses.replace(carry, net=net, slots=slots, backend=backend, draws=draws), records
 
 
