@@ -123,3 +123,20 @@ def test_profile_round_reads_its_trace():
     assert any("absorb_round" in line for line in tables[2].splitlines()), tables[2]
     ops = [line.split("|")[1].strip() for line in tables[1].splitlines()[2:]]
     assert not any(name.startswith(("PjRt", "CommonPjRt", "Pjit", "ThunkExecutor")) for name in ops), ops
+
+
+def test_waves_replay_matches_the_engine():
+    """benchmarks/waves.py at 6 agents (and 96, where waves of several observations happen): the
+    replayed engine rule counts the waves the engine's own `_wave` runs in every round, and the
+    rules order as they must (no fewer waves with width limits, no more with the finer rule)."""
+    for agents in ("6", "96"):
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "waves.py"), "--agents", agents, "--rounds", "30",
+               "--skip", "1"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = done.stdout
+        assert "the replay matches the engine's waves in 100% of rounds" in out, out
+        waves = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in out.splitlines()
+                 if line.startswith("| ") and not line.startswith("| rule")}  # fmt: skip
+        assert waves["by type (bound)"] <= waves["greedy"] <= waves["engine (replayed)"], out
+        assert waves["engine (replayed)"] == waves["engine (its `_wave`, run)"] >= 1, out
