@@ -2,8 +2,9 @@
 back as self time per XLA op (a thunk's time minus the ops nested in it), plus the round's cost
 and how many rounds a task takes.
 
-The network is the scale experiment's (replicated bbh profile, sparse graph, slots N/6); the
-profiled chunk starts after `--skip` chunks, so it is past the detector's warm-up. From there,
+The network is the scale experiment's (replicated bbh profile, sparse graph above 6 agents,
+complete at 6, slots N/6); the profiled chunk starts after `--skip` chunks, so it is past the
+detector's warm-up. From there,
 `--timed` chunks run one after another without the profiler (the per-round figure: their median),
 and the first of them once more under it (the op tables; the profiler roughly doubles the time,
 so read the tables' shares, not their milliseconds). The first
@@ -191,7 +192,7 @@ def main() -> None:
     dispatch = sum(v for k, v in own.items() if k.startswith("ThunkExecutor::Execute") and "wait" not in k)
     total = sum(ops.values()) + dispatch
     slots = cfg.slots * args.streams
-    print(f"{n} agents sparse, {args.streams} stream(s), slots {cfg.slots}, chunk of {args.rounds} rounds "
+    print(f"{n} agents {'sparse' if n > 6 else 'complete'}, {args.streams} stream(s), slots {cfg.slots}, chunk of {args.rounds} rounds "
           f"after {args.skip} chunks (jax {jax.__version__})")  # fmt: skip
     print(f"round: {1e3 * seconds / args.rounds:.3f} ms without the profiler (median of {args.timed} chunks); "
           f"{finished} tasks finished in a chunk: {finished / args.rounds:.2f} tasks per round, {slots * args.rounds / max(finished, 1):.1f} "
