@@ -4,11 +4,10 @@ and how many rounds a task takes.
 
 The network is the scale experiment's (replicated bbh profile, sparse graph above 6 agents,
 complete at 6, slots N/6); the profiled chunk starts after `--skip` chunks, so it is past the
-detector's warm-up. From there,
-`--timed` chunks run one after another without the profiler (the per-round figure: their median),
-and the first of them once more under it (the op tables; the profiler roughly doubles the time,
-so read the tables' shares, not their milliseconds). The first
-table groups ops by executions per round (a loop body's ops run equally often), the second lists
+detector's warm-up. From there, `--timed` chunks run one after another without the profiler
+(the per-round figure: their median), and the first of them once more under it (the op tables;
+the profiler roughly doubles the time, so read the tables' shares, not their milliseconds). The
+first table groups ops by executions per round (a loop body's ops run equally often), the second lists
 the largest. The profiler inflates ops that run many times per round: a share held by a loop of
 tiny ops is an upper bound, to be checked by an A/B without the profiler.
 
