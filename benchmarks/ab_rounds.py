@@ -70,6 +70,12 @@ def add_arm_options(ap: argparse.ArgumentParser, turns: int, skip: int = 4) -> N
     )
 
 
+def arm_command(args: argparse.Namespace) -> list[str]:
+    """The command line of one arm built with `args`' arm options (`add_arm_options`)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--arm", "--agents", str(args.agents), "--streams",
+            str(args.streams), "--chunks", str(args.chunks), "--rounds", str(args.rounds), "--skip", str(args.skip)]  # fmt: skip
+
+
 class ArmStopped(RuntimeError):
     pass
 
@@ -105,8 +111,6 @@ def main() -> None:
         return
     if args.before is None or args.after is None:
         ap.error("give two checkouts: BEFORE AFTER")
-    passed = ["--agents", str(args.agents), "--streams", str(args.streams), "--chunks", str(args.chunks),
-              "--rounds", str(args.rounds), "--skip", str(args.skip), "--arm"]  # fmt: skip
     arms = []
     for checkout, flags in ((args.before, ""), (args.after, args.after_xla_flags)):
         root = checkout.resolve()
@@ -117,8 +121,8 @@ def main() -> None:
         env.update(PYTHONPATH=str(root), MESHHEAL_JAX_CACHE="off")
         if flags:
             env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
-        arms.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *passed], cwd=root, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
+        arms.append(subprocess.Popen(arm_command(args), cwd=root, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True))  # fmt: skip
     names: list[str] = []
     times: list[list[float]] = [[], []]
     try:

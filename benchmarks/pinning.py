@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ab_rounds import add_arm_options
+from ab_rounds import ArmStopped, _reply, add_arm_options, arm_command
 
 SCENARIOS = {"one process, free": ["free0"], "one process, pinned": ["pin0"],
              "two processes, free": ["free0", "free1"], "two processes, pinned": ["pin0", "pin1"]}  # fmt: skip
@@ -39,10 +39,8 @@ def _pin(core: int):
 def _arm(args: argparse.Namespace, core: int | None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """An ab_rounds.py arm (build, then one turn per 'go'), pinned to `core` unless None; `env`:
     default this checkout's package, no compile cache."""
-    cmd = [sys.executable, str(HERE / "ab_rounds.py"), "--arm", "--agents", str(args.agents), "--streams",
-           str(args.streams), "--chunks", str(args.chunks), "--rounds", str(args.rounds), "--skip", str(args.skip)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), MESHHEAL_JAX_CACHE="off") if env is None else env
-    return subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    return subprocess.Popen(arm_command(args), cwd=HERE.parent, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             preexec_fn=None if core is None else _pin(core))  # noqa: PLW1509 (no threads here yet)  # fmt: skip
 
 
@@ -50,13 +48,6 @@ def _cpu_seconds(proc: subprocess.Popen) -> float:
     """The process's user + system CPU time so far, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _read(proc: subprocess.Popen, word: str) -> str:
-    for line in proc.stdout:
-        if line.startswith(word + " "):
-            return line[len(word) + 1 :].strip()
-    raise SystemExit(f"a process stopped before saying '{word}' (exit {proc.wait()})")
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def main() -> None:
     busy: dict[str, list[float]] = {name: [] for name in SCENARIOS}  # cores busy per process
     try:
         for proc in procs.values():
-            _read(proc, "ready")
+            _reply(proc, "ready")
         names = list(SCENARIOS)
         for turn in range(args.turns):
             for name in names[turn % 4 :] + names[: turn % 4]:
@@ -81,9 +72,11 @@ def main() -> None:
                 for proc in members:  # all start at once
                     proc.stdin.write("go\n")
                     proc.stdin.flush()
-                times[name].extend(float(_read(proc, "seconds")) for proc in members)
+                times[name].extend(float(_reply(proc, "seconds")) for proc in members)
                 wall = time.perf_counter() - start
                 busy[name].extend((_cpu_seconds(proc) - c) / wall for proc, c in zip(members, cpu))
+    except ArmStopped as err:
+        sys.exit(str(err))
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -21,12 +21,12 @@ N/6), one stream, after `--skip` chunks of 64 rounds (past the detector's warm-u
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,16 +75,18 @@ def main() -> None:
 
     @jax.jit
     def round_evidence(c):
-        """The round's observations (as `absorb_round` makes them), the network they meet, the
-        carry after the round."""
+        """The round's observations (as `absorb_round` makes them), their task order, the network
+        they meet, and the carry after the round (`round_step`'s steps, its absorb kept apart)."""
         taken = engine._take_tasks(cfg, p, world, c)
         requests = engine.emit(cfg, p, world, taken.slots)
-        _, responses = engine.emulate(cfg, p, world, taken.backend, requests, taken.draws)
+        backend, responses = engine.emulate(cfg, p, world, taken.backend, requests, taken.draws)
         _, evidence, reviews = jax.vmap(engine.absorb_decide, in_axes=(None,) * 4 + (0,) * 3)(
             cfg, p, world, taken.net, taken.slots, responses, taken.draws
         )
-        order = jnp.argsort(jnp.where(taken.slots.t > 0, taken.slots.t, jnp.iinfo(jnp.int32).max))
-        return evidence, order, taken.net, reviews.obs, engine.round_step(cfg, p, world, c)[0]
+        after, _ = engine.absorb_round(
+            cfg, p, world, dataclasses.replace(taken, backend=backend), requests, responses
+        )
+        return evidence, engine.task_order(taken.slots), taken.net, reviews.obs, after
 
     @functools.partial(jax.jit, static_argnums=0)
     def wave(width, net, evidence, order, observations, pending):

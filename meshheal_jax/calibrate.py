@@ -1197,9 +1197,8 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
               "not_identified": [{"model": s, "parameter": n, "reason": e.note}
                                  for s, es in result.estimates.items() for n, e in es.items() if not e.identified],
               "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
-    runner.write_atomic(
-        out / "roundtrip.json", json.dumps(report, indent=2)
-    )  # a coverage study resumes on it
+    # whole or absent: a coverage study resumes on it
+    runner.write_atomic(out / "roundtrip.json", json.dumps(report, indent=2))
     return report
 
 

@@ -1518,6 +1518,11 @@ def begin_round(cfg: EngineConfig, p: Params, world: World, carry: Carry) -> tup
     return carry, emit(cfg, p, world, carry.slots)
 
 
+def task_order(slots: Slots):
+    """(S,) the slots in task order (idle slots last): the order a round's evidence is taken in."""
+    return jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
+
+
 def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, requests: Requests,
                  responses: Responses) -> tuple[Carry, RoundRecords]:  # fmt: skip
     """Absorb every slot's responses in task order. `carry.backend` is the backend's latent state
@@ -1527,7 +1532,7 @@ def absorb_round(cfg: EngineConfig, p: Params, world: World, carry: Carry, reque
     decided, evidence, reviews = jax.vmap(absorb_decide, in_axes=(None, None, None, None, 0, 0, 0))(
         cfg, p, world, net, slots, responses, draws)  # fmt: skip
     # the detector takes the round's evidence in task order (computed in waves of independent observations)
-    order = jnp.argsort(jnp.where(slots.t > 0, slots.t, jnp.iinfo(jnp.int32).max))
+    order = task_order(slots)
     net, observations = observe_round(
         p, world, net, evidence, order, reviews.obs, cfg.detector, reset=cfg.window_reset
     )
