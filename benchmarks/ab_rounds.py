@@ -22,6 +22,7 @@ state is taken after `--skip` chunks, past the detector's warm-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -80,6 +81,20 @@ class ArmStopped(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def stopping(procs):
+    """Exit with the message of an arm that stopped (ArmStopped); on the way out, kill every
+    process of `procs` (a live view is fine) still running, e.g. one still building when another failed."""
+    try:
+        yield
+    except ArmStopped as err:
+        sys.exit(str(err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def _reply(proc: subprocess.Popen, word: str) -> str:
     """The rest of the arm's next stdout line that starts with `word` (other lines are skipped)."""
     for line in proc.stdout:
@@ -125,7 +140,7 @@ def main() -> None:
                                      stdout=subprocess.PIPE, text=True))  # fmt: skip
     names: list[str] = []
     times: list[list[float]] = [[], []]
-    try:
+    with stopping(arms):
         for proc in arms:  # both build and compile at once; the timed turns alternate
             names.append(_reply(proc, "ready").removesuffix("/meshheal_jax/engine.py"))
         for turn in range(args.turns):
@@ -134,12 +149,6 @@ def main() -> None:
         for proc in arms:
             proc.stdin.close()
             proc.wait()
-    except ArmStopped as err:
-        sys.exit(str(err))
-    finally:
-        for proc in arms:  # an arm still building or running when the other failed
-            if proc.poll() is None:
-                proc.kill()
     print(f"{args.agents} agents x {args.streams} stream(s), {args.turns} turns of {args.chunks} x {args.rounds} "
           f"rounds per arm, alternating")  # fmt: skip
     print("| arm | checkout | round ms, median | best |\n|---|---|---|---|")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ab_rounds import ArmStopped, _reply, _turn, add_arm_options
+from ab_rounds import _reply, _turn, add_arm_options, stopping
 from pinning import _arm
 
 
@@ -91,7 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         cached = {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
         arms = {"PJRT_NPROC=1": _arm(args, None, one | cached)}  # compiles into the cache with one thread
-        try:
+        with stopping(arms.values()):
             _reply(arms["PJRT_NPROC=1"], "ready")
             compiled = len(os.listdir(cache))
             arms |= {"default": _arm(args, None, base), "pinned": _arm(args, min(os.sched_getaffinity(0)), base),
@@ -104,12 +104,6 @@ def main() -> None:
             for turn in range(args.turns):
                 for name in names[turn % len(names) :] + names[: turn % len(names)]:
                     seconds[name].append(_turn(arms[name]))
-        except ArmStopped as err:
-            sys.exit(str(err))
-        finally:
-            for proc in arms.values():
-                if proc.poll() is None:
-                    proc.kill()
     print(f"{args.agents} agents x {args.streams} stream(s), slots {max(1, args.agents // 6)}: round time per process, "
           f"{args.turns} turns of {args.chunks} x {args.rounds} rounds; the one-thread cache held {compiled} "
           f"programs once its arm was built, {built} once the compiled-1 arm was (more: it missed some)")  # fmt: skip

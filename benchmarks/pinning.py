@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ab_rounds import ArmStopped, _reply, add_arm_options, arm_command
+from ab_rounds import _reply, add_arm_options, arm_command, stopping
 
 SCENARIOS = {"one process, free": ["free0"], "one process, pinned": ["pin0"],
              "two processes, free": ["free0", "free1"], "two processes, pinned": ["pin0", "pin1"]}  # fmt: skip
@@ -61,7 +61,7 @@ def main() -> None:
              "pin1": _arm(args, cores[1])}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in SCENARIOS}
     busy: dict[str, list[float]] = {name: [] for name in SCENARIOS}  # cores busy per process
-    try:
+    with stopping(procs.values()):
         for proc in procs.values():
             _reply(proc, "ready")
         names = list(SCENARIOS)
@@ -75,12 +75,6 @@ def main() -> None:
                 times[name].extend(float(_reply(proc, "seconds")) for proc in members)
                 wall = time.perf_counter() - start
                 busy[name].extend((_cpu_seconds(proc) - c) / wall for proc, c in zip(members, cpu))
-    except ArmStopped as err:
-        sys.exit(str(err))
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
     base = statistics.median(times["one process, free"])
     print(f"{args.agents} agents x {args.streams} stream(s) per process, {args.turns} turns of {args.chunks} x "
           f"{args.rounds} rounds, {len(cores)} cores")  # fmt: skip
