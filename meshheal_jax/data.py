@@ -180,10 +180,30 @@ def bbh_options(question: str) -> tuple[str, ...] | None:
     return tuple(options) or None
 
 
+def _option_target(gold: str, options: tuple[str, ...], where: str) -> str:
+    """A lettered question's target as "(X)", BBH's own form: "(a)", one option's text or a bare
+    "A" written otherwise are read as their option (the scorer reads an option target by its
+    letter); a target that names no option is a row error."""
+    letter = re.fullmatch(r"\(([A-Za-z])\)", gold)
+    if letter:
+        return f"({letter.group(1).upper()})"
+    wanted = " ".join(gold.split()).casefold()
+    hits = [i for i, option in enumerate(options) if " ".join(option.split()).casefold() == wanted]
+    if len(hits) == 1:
+        return f"({chr(ord('A') + hits[0])})"
+    if re.fullmatch(r"[A-Za-z]", gold):
+        return f"({gold.upper()})"
+    raise _row_error(
+        where, f"target {gold!r} names none of the question's options (A)-({chr(64 + len(options))})"
+    )
+
+
 def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:
     question = _text_field(row, "input", where)
     gold = _text_field(row, "target", where).strip()
     options = bbh_options(question)
+    if options is not None:
+        gold = _option_target(gold, options, where)
     letter = re.fullmatch(r"\(([A-Z])\)", gold)
     if letter and options is not None and ord(letter.group(1)) - ord("A") >= len(options):
         raise _row_error(
@@ -192,36 +212,44 @@ def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:
     return Record(question, task_type, gold, options, uid, where)
 
 
-def _escaped(text: str, i: int) -> bool:
-    """Whether text[i] is escaped: preceded by an odd number of backslashes (`\\{`, not `\\\\{`)."""
-    n = 0
-    while i - n - 1 >= 0 and text[i - n - 1] == "\\":
-        n += 1
-    return n % 2 == 1
-
-
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Position of each unescaped `{` -> position of its matching `}`, in one pass over text (a
+    brace after an odd run of backslashes, `\\{`, is escaped; `\\\\{` is not)."""
+    closing: dict[int, int] = {}
+    open_at: list[int] = []
+    backslashes = 0
+    for i, ch in enumerate(text):
+        if ch == "\\":
+            backslashes += 1
+            continue
+        escaped, backslashes = backslashes % 2 == 1, 0
+        if escaped:
+            continue
+        if ch == "{":
+            open_at.append(i)
+        elif ch == "}" and open_at:
+            closing[open_at.pop()] = i
+    return closing
 
 
 def last_boxed_span(text: str) -> tuple[int, str] | None:
     """(start of the `\\boxed`, content) of the last complete `\\boxed{...}` / `\\fbox{...}`.
 
     Braces are balanced; escaped braces `\\{` `\\}` do not nest. A `\\boxed` whose braces never
-    close is skipped in favour of an earlier complete one. None if there is none.
+    close is skipped in favour of an earlier complete one. None if there is none. Linear in the
+    text's length, however many `\\boxed{` never close.
     """
     starts = [(m.start(), m.end()) for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    closing = _closing_braces(text)
     for start, content_start in reversed(starts):
-        depth = 1
-        for i in range(content_start, len(text)):
-            ch = text[i]
-            if ch in "{}" and _escaped(text, i):
-                continue
-            if ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return start, text[content_start:i].strip()
+        end = closing.get(content_start - 1)
+        if end is not None:
+            return start, text[content_start:end].strip()
     return None
 
 

@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshheal_jax import data
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.scoring import score
 from meshheal_jax.streams import make_stream
 from meshheal_jax.topology import load_profile
 
@@ -602,3 +605,66 @@ def test_hub_commit_asks_the_hub_only_when_it_can(monkeypatch):
     assert data.hub_commit("EleutherAI/hendrycks_math", "v1") == sha
     assert data.hub_commit("gone/id") is None  # any error: read as given
     assert asked == [("EleutherAI/hendrycks_math", "v1", 10), ("gone/id", None, 10)]
+
+
+def _last_boxed_by_rescanning(text: str):
+    """The old reading of last_boxed_span, kept as the oracle: each `\\boxed{` from the last one
+    back, its braces counted from its content's start (quadratic when many never close)."""
+
+    def escaped(i: int) -> bool:
+        n = 0
+        while i - n - 1 >= 0 and text[i - n - 1] == "\\":
+            n += 1
+        return n % 2 == 1
+
+    for m in reversed(list(data._BOXED.finditer(text))):
+        depth = 1
+        for i in range(m.end(), len(text)):
+            if text[i] in "{}" and escaped(i):
+                continue
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return m.start(), text[m.end() : i].strip()
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["\\boxed{", "\\fbox {", "{", "}", "\\", "\\{", "\\}", "x", " ", "7"]), max_size=30
+    )
+)
+def test_last_boxed_span_equals_a_rescan_of_each_box(pieces):
+    text = "".join(pieces)
+    assert data.last_boxed_span(text) == _last_boxed_by_rescanning(text)
+
+
+@pytest.mark.parametrize(
+    "target, gold",
+    [
+        ("(B)", "(B)"),
+        ("(b)", "(B)"),
+        ("B", "(B)"),
+        ("b", "(B)"),
+        ("that", "(B)"),
+        (" That  one ", "(C)"),
+        ("A", "(A)"),
+    ],
+)
+def test_bbh_option_targets_written_otherwise_become_their_letter(target, gold):
+    question = "Which one?\nOptions:\n(A) this\n(B) that\n(C) that one"
+    record = data.map_bbh_row({"input": question, "target": target}, "navigate", "navigate.json, row 1")
+    assert record.gold == gold
+    # the scorer now reads the option's letter and its text alike
+    assert score("bbh", f"RESULT: {gold}", record.gold, record.options)
+    assert score("bbh", f"RESULT: {record.options[ord(gold[1]) - 65]}", record.gold, record.options)
+
+
+def test_bbh_target_naming_no_option_is_a_row_error():
+    question = "Which one?\nOptions:\n(A) this\n(B) that"
+    with pytest.raises(
+        MeshHealError, match=r"row 1: target 'Yes' names none of the question's options \(A\)-\(B\)"
+    ):
+        data.map_bbh_row({"input": question, "target": "Yes"}, "navigate", "navigate.json, row 1")
+    literal = data.map_bbh_row({"input": "Is it?", "target": "Yes"}, "navigate", "navigate.json, row 1")
+    assert literal.gold == "Yes" and literal.options is None

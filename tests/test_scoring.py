@@ -110,6 +110,12 @@ def test_math500_integer_golds_reject_off_by_one_and_sign_flips(math_verify):
         ("\\text{(C)}", "RESULT: \\text{(C)}"),
         ("-2,1", "\\boxed{1, -2}"),
         ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!525}"),  # a gold math-verify reads only as text
+        # golds naming options (six of MATH's 5,000 test problems), in the forms a model writes them
+        ("\\text{A,D}", "\\boxed{A, D}"),
+        ("\\text{A,D}", "RESULT: D, A"),
+        ("\\text{B, E, G}", "\\boxed{\\text{B,E,G}}"),
+        ("B, C", "\\boxed{\\text{B, C}}"),
+        ("B, C", "RESULT: (B), (C)"),
     ],
 )
 def test_math_equivalent_forms_are_accepted(math_verify, gold, prediction):
@@ -137,6 +143,9 @@ def test_math_equivalent_forms_are_accepted(math_verify, gold, prediction):
         ("2", "RESULT: $1$ or $2$"),  # a hedge: no one answer
         ("4", "RESULT: $3$ apples, not $4$"),
         ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!526}"),
+        ("\\text{A,D}", "\\boxed{A}"),
+        ("\\text{A,D}", "\\boxed{A, D, E}"),
+        ("B, C", "RESULT: B and C"),
     ],
 )
 def test_math_near_misses_are_rejected(math_verify, gold, prediction):
@@ -278,6 +287,30 @@ def test_mmlu_pro_letters_on_real_questions():
         if len(rec.options) < 10:
             beyond = data.MMLU_PRO_LETTERS[len(rec.options)]
             assert judge("mmlu_pro", f"RESULT: {beyond}", rec.gold, rec.options).status == INVALID_OPTION
+
+
+def test_mmlu_pro_quoting_an_option_reads_as_that_option():
+    # Option texts like "H. Ross Perot, Reform Party, 1996" (qid 4746, option C) start like a
+    # letter; quoted in full they must read as their own option. Bare letters stay letters, and an
+    # option starting "The answer" loses those words to the answer-prefix rule, so both are left out.
+    quoted = 0
+    for rec in _mmlu_records():
+        texts = [scoring._normalise_text(o) for o in rec.options]
+        for i, option in enumerate(rec.options):
+            if (
+                texts.count(texts[i]) > 1
+                or "\n" in option
+                or re.fullmatch(r"[(\[]?[A-Za-z][)\]]?[.:]?", scoring._strip_wrappers(option))
+            ):
+                continue
+            if option.casefold().startswith("the answer"):
+                continue
+            assert judge("mmlu_pro", f"RESULT: {option}", rec.gold, rec.options).answer == "ABCDEFGHIJ"[i], (
+                rec.uid,
+                option,
+            )
+            quoted += 1
+    assert quoted > 5_000
 
 
 def test_mmlu_pro_option_text_and_unparsable():
