@@ -169,8 +169,8 @@ def _live_doc(flags: CommonFlags) -> dict:
                        ("weak_model", flags.weak_model), ("reasoning_effort", flags.reasoning_effort),
                        ("tokenizer", flags.tokenizer)):  # fmt: skip
         if value or (
-            key in ("max_tokens", "request_timeout_s", "reasoning_effort") and value is not None
-        ):  # reach the checks
+            key in ("max_tokens", "request_timeout_s", "reasoning_effort", "data") and value is not None
+        ):  # reach the checks (an empty --data too: "$DIR" with DIR unset)
             doc[key] = value
     for key, (_, placeholder) in HUB_KEYS.items():  # per dataset: a flag's dataset wins over the file's
         merged = {}

@@ -52,6 +52,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -584,7 +585,7 @@ def _as_id(value: object) -> int | None:
         return value
     if isinstance(value, str):
         text = value.strip()
-        if text.lstrip("+-").isdigit():
+        if re.fullmatch(r"[+-]?[0-9]+", text):  # ASCII digits only: str.isdigit also takes "²"
             return int(text)
     return None
 
@@ -594,6 +595,8 @@ def _json_pairs(text: str, where: str) -> list[tuple[str, object]]:
         doc = json.loads(text)
     except json.JSONDecodeError as err:
         raise MeshHealError(f"{where}: not valid JSON: {err}") from None
+    except RecursionError:
+        raise MeshHealError(f"{where}: not valid JSON: nested too deeply") from None
     if isinstance(doc, dict):
         if "edges" not in doc:
             raise MeshHealError(f"{where}: a JSON object needs an 'edges' list of [i, j] pairs")

@@ -114,7 +114,10 @@ def shifted_probability(p: float, shift: float) -> float:
     """sigmoid(logit(p) + shift); p itself, bit for bit, when shift is 0 or p is 0 or 1."""
     if shift == 0.0 or p <= 0.0 or p >= 1.0:
         return p
-    return 1.0 / (1.0 + math.exp(-(math.log(p / (1.0 - p)) + shift)))
+    try:
+        return 1.0 / (1.0 + math.exp(-(math.log(p / (1.0 - p)) + shift)))
+    except OverflowError:  # a shift far below -700: the sigmoid's limit
+        return 0.0
 
 
 def tilted(probabilities: tuple[float, ...], tilt: float) -> tuple[float, ...]:
@@ -122,7 +125,13 @@ def tilted(probabilities: tuple[float, ...], tilt: float) -> tuple[float, ...]:
     bit for bit, when tilt is 0."""
     if tilt == 0.0:
         return probabilities
-    w = [p * math.exp(tilt * a) for p, a in zip(probabilities, ANCHORS)]
+    try:
+        w = [p * math.exp(tilt * a) for p, a in zip(probabilities, ANCHORS)]
+    except OverflowError:
+        w = []
+    if not sum(w):  # a tilt of hundreds either way: the same weights over the largest exp(tilt * a)
+        top = max(tilt * a for p, a in zip(probabilities, ANCHORS) if p > 0.0)
+        w = [p * math.exp(tilt * a - top) if p > 0.0 else 0.0 for p, a in zip(probabilities, ANCHORS)]
     return tuple(x / sum(w) for x in w)
 
 

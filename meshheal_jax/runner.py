@@ -147,6 +147,8 @@ class LiveSettings:
 
     def validate_questions(self) -> None:
         """The checks of where the questions come from (data, hub), which emulated runs share."""
+        if not self.data.strip():  # Path("") is the current folder: never read it unasked
+            raise MeshHealError("--data is empty: give hub, sample or a folder of benchmark files")
         if self.data not in DATA_SOURCES and not Path(self.data).expanduser().exists():
             raise MeshHealError(f"--data must be hub, sample or an existing folder of benchmark files; "
                                 f"{self.data!r} does not exist")  # fmt: skip

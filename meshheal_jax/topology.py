@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import tomllib
 from pathlib import Path
 
@@ -61,7 +62,7 @@ ROW_KEYS = {"ability": ("name", "holders", "description"), "task_type": ("name",
 
 
 def _agent_index(name: str, where: str, source: str = "profile") -> int:
-    if not (isinstance(name, str) and name.startswith("A") and name[1:].isdigit() and name[1] != "0"):
+    if not (isinstance(name, str) and re.fullmatch(r"A[1-9][0-9]*", name)):
         raise MeshHealError(f"{source}: {where}: agent name {name!r} is not of the form A1..A6")
     index = int(name[1:]) - 1
     if not 0 <= index < BASE_AGENTS:

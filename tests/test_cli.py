@@ -345,6 +345,7 @@ BAD_INPUTS = {
     "no tasks": (("--datasets", "math", "--tasks", "0"), "tasks per stream must be >= 1"),
     "a dataset twice": (("--datasets", "math", "math"), "datasets must be distinct, got ['math', 'math']"),
     "no datasets": (("--datasets",), "no datasets given"),
+    "empty --data": (("--datasets", "bbh", "--data", ""), "--data is empty"),  # "$DIR" with DIR unset
     # a path would also name the run folder's parts (and could leave it through '..')
     "a profile path as dataset": (("--datasets", "../profiles/bbh.toml"), "is not a name"),
 }

@@ -409,6 +409,8 @@ def test_generated_graph_round_trips_through_both_formats(tmp_path):
         ("g.csv", "0,1\n\n2.5,3\n", "line 3: expected two integer agent ids"),
         ("g.csv", "0,1\n1,9\n", "line 2: agent id 9 outside 0..5"),
         ("g.csv", "0,1\n-1,2\n", "line 2: agent id -1 outside 0..5"),
+        ("g.csv", "0,1\n--1,2\n", "line 2: expected two integer agent ids, got '--1,2'"),
+        ("g.csv", "0,1\n0,\u00b2\n", "line 2: expected two integer agent ids"),  # a superscript two
         ("g.csv", "0,1\n4,4\n", "line 2: self loop at agent 4"),
         (
             "g.csv",
@@ -426,6 +428,7 @@ def test_generated_graph_round_trips_through_both_formats(tmp_path):
         ("g.json", '{"links": []}', "a JSON object needs an 'edges' list"),
         ("g.json", '"edges"', "expected a list of [i, j] pairs"),
         ("g.json", "[[0, 1],", "not valid JSON"),
+        ("g.json", "[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply"),
     ],
 )
 def test_load_rejects_bad_files(tmp_path, name, text, message):

@@ -148,3 +148,17 @@ def test_unreadable_model_files_are_named(tmp_path):
         MeshHealError, match="cannot read model parameter file .*gpt-oss-120b.toml: Is a directory"
     ):
         params.load_model("gpt-oss-120b", tmp_path)
+
+
+def test_difficulty_knobs_far_out_reach_their_limits_instead_of_overflowing():
+    # review_difficulty / difficulty_spread are only bounded below: a value of 1000 in a model file
+    # once overflowed math.exp while the pair was built
+    review = (0.1, 0.2, 0.3, 0.4)
+    assert params.tilted(review, 3000.0) == (0.0, 0.0, 0.0, 1.0)
+    assert params.tilted(review, -3000.0) == (1.0, 0.0, 0.0, 0.0)
+    assert params.tilted((0.0, 0.2, 0.3, 0.5), -3000.0) == (0.0, 1.0, 0.0, 0.0)  # an empty anchor stays empty
+    assert params.shifted_probability(0.3, -1000.0) == 0.0
+    assert params.shifted_probability(0.3, 1000.0) == 1.0
+    # values in range keep the plain formula
+    weights = [p * 2.718281828459045 ** (1.5 * a) for p, a in zip(review, params.ANCHORS)]
+    assert params.tilted(review, 1.5) == pytest.approx(tuple(w / sum(weights) for w in weights), rel=1e-15)

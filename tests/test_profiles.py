@@ -274,6 +274,9 @@ def test_names_and_descriptions_must_be_text(bbh_doc, table, row, key, value, fr
 def test_agent_names_are_written_as_in_the_spec(bbh_doc):
     ability_row(bbh_doc, "spatial")["holders"] = ["A4", "A5", "A06"]
     reject(bbh_doc, "'A06'", "A1..A6")
+    for unicode_digit in ("A\u00b2", "A\uff13"):  # a superscript two, a full-width three
+        ability_row(bbh_doc, "spatial")["holders"] = ["A4", "A5", unicode_digit]
+        reject(bbh_doc, repr(unicode_digit), "A1..A6")
 
 
 def test_duplicate_ability_names(bbh_doc):
