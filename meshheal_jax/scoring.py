@@ -1,11 +1,13 @@
 """Scoring a model's final answer against the benchmark's gold (spec/live.md "Scoring").
 
 - BBH: exact match after normalisation; an option target "(B)" also accepts "B", "B)", "(B) text"
-  and the option's own text; literal targets ("Yes", "True", "15", "] ) }") match case- and
-  space-insensitively, numbers also numerically.
+  and the option's own text; literal targets ("Yes", "True", "15", "] ) }") match case-
+  insensitively with each run of spaces read as one, numbers also numerically ("1,000" = 1000).
 - MATH: mathematical equivalence (the `math-verify` library, optional: `pip install -e .[live]`)
-  of the last `\\boxed{...}` / `RESULT:` answer with the gold answer.
-- MMLU-Pro: the chosen letter (A-J) against the gold letter.
+  of the last `\\boxed{...}` / `RESULT:` answer with the gold answer; a gold that lists option
+  letters ("\\text{A,D}") against the letters written, in any order.
+- MMLU-Pro: the chosen letter (A-J) against the gold letter; an answer quoting one option's full
+  text is that option's letter.
 - A missing or unparsable answer is incorrect; `judge` says which (`Judgement.status`).
 
 The answer is taken from the text's last `RESULT:` line or last `\\boxed{...}`, whichever comes
@@ -171,6 +173,8 @@ _BBH_OPTION_TARGET = re.compile(r"^\(([A-Z])\)$")
 
 
 def _as_number(text: str) -> float | None:
+    if "_" in text:  # float() reads "1_5" as 15
+        return None
     try:
         return float(text.replace(",", ""))
     except ValueError:

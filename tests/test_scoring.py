@@ -252,6 +252,8 @@ def test_bbh_records_accept_the_gold_option_text():
         ("RESULT: (F)", "(A)", ("x", "y"), (False, INVALID_OPTION)),
         ("RESULT: 15.0", "15", None, (True, OK)),
         ("RESULT: fifteen", "15", None, (False, OK)),
+        ("RESULT: 1_5", "15", None, (False, OK)),  # float() would read it as 15
+        ("RESULT: 1,000", "1000", None, (True, OK)),
         ("RESULT: Yes, he returns", "Yes", None, (False, OK)),
         ("RESULT:  ] )  } ", "] ) }", None, (True, OK)),
         ("no final answer", "Yes", None, (False, NO_ANSWER)),
