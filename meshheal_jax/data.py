@@ -393,7 +393,7 @@ def _load_local_bbh(root: Path, profile: Profile) -> list[Record]:
             raise MeshHealError(f"{folder}: task type {task!r} has {len(files)} files ({', '.join(f.name for f in files)});"
                                 " keep one")  # fmt: skip
         if not files:
-            present = sorted(p.stem for p in folder.iterdir() if p.suffix in DATA_SUFFIXES)
+            present = sorted(p.stem for p in folder.iterdir() if p.suffix in DATA_SUFFIXES and p.is_file())
             raise MeshHealError(
                 f"{folder}: no file for task type {task!r} required by the BBH profile"
                 f" (looked for {task}.json/.jsonl/.parquet); tasks present: {present}"
@@ -410,6 +410,8 @@ def resolve_data_file(dataset: str, path: Path) -> Path:
         return path
     if not path.exists():
         raise MeshHealError(f"data path {path} does not exist")
+    if not path.is_dir():
+        raise MeshHealError(f"data path {path} is neither a file nor a folder")
     folders = [f for f in (path / dataset, path) if f.is_dir()]
     for name in DEFAULT_FILES[dataset]:
         for folder in folders:
@@ -437,7 +439,13 @@ def load_local(dataset: str, path: str | Path, profile: Profile | str | Path | N
         return filter_to_profile(_load_local_bbh(root, prof), prof, str(root))
     file = resolve_data_file(dataset, root)
     mapper = map_math_row if dataset == "math" else map_mmlu_pro_row
-    records = [mapper(row, f"{file}, row {n}", f"{file.name}:{n}") for n, row in iter_rows(file)]
+    try:
+        records = [mapper(row, f"{file}, row {n}", f"{file.name}:{n}") for n, row in iter_rows(file)]
+    except MeshHealError as err:
+        if file == root or file.name in DEFAULT_FILES[dataset]:
+            raise
+        raise MeshHealError(f"{err} ({file.name} was taken as the {dataset} file, being the only data file"
+                            f" in {file.parent}; pass the right file itself)") from None  # fmt: skip
     return filter_to_profile(records, prof, str(file))
 
 

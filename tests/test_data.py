@@ -431,6 +431,15 @@ def test_path_and_dataset_errors(tmp_path):
         data.load_local("bbh", tmp_path)
     with pytest.raises(MeshHealError, match="BBH data must be a folder"):
         data.load_local("bbh", tmp_path / "one.jsonl")
+    with pytest.raises(MeshHealError, match="data path /dev/null is neither a file nor a folder"):
+        data.load_local("math", "/dev/null")
+    # the only data file of a folder is taken as the dataset's: an error in it says so
+    (tmp_path / "mmlu").mkdir()
+    write_jsonl(tmp_path / "mmlu" / "mine.jsonl", math_rows())
+    with pytest.raises(
+        MeshHealError, match=r"mine\.jsonl, row 1: .*\(mine\.jsonl was taken as the mmlu_pro file"
+    ):
+        data.load_local("mmlu_pro", tmp_path / "mmlu")
 
 
 def test_an_explicit_profile_filters_to_its_types(tmp_path):
