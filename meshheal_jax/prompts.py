@@ -359,10 +359,10 @@ def snap_score(value: Any) -> float:
             value = float(value)
         except ValueError:
             raise ValueError(f"score {value!r} is not a number") from None
-    if not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"score {value!r} is not a number")
+    if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"score {value!r:.40} is not a number")
     if not -SNAP_TOLERANCE <= value <= 1 + SNAP_TOLERANCE:
-        raise ValueError(f"score {value!r} is outside [0, 1]")
+        raise ValueError(f"score {value!r:.40} is outside [0, 1]")
     # the nearest anchor; a tie (0.75) goes toward the neutral 0.5
     return min(ANCHORS, key=lambda anchor: (abs(anchor - value), abs(anchor - NEUTRAL_SCORE)))
 
@@ -801,9 +801,11 @@ def _json_values(text: str | None) -> list[Any]:
     if not text:
         return []
     stripped = text.strip()
+    # besides JSONDecodeError, json raises RecursionError when nested ~1,000 deep and ValueError for
+    # an integer of more than 4,300 digits: garbage a model can write, read as no JSON there
     try:
         return [json.loads(stripped)]
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         pass
     decoder = json.JSONDecoder()
     found, i = [], 0
@@ -811,7 +813,7 @@ def _json_values(text: str | None) -> list[Any]:
         if stripped[i] in "{[":
             try:
                 value, end = decoder.raw_decode(stripped, i)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 i += 1
                 continue
             if isinstance(value, (dict, list)):

@@ -850,17 +850,28 @@ def test_requests_on_the_wire_equal_the_sdks_typed_call():
         (b"<html>502 from a proxy</html>", "text/html"),
         (b'{"error": "overloaded"}', "application/json"),  # JSON, but no choices
         (b'{"choices": [', "application/json"),  # labelled JSON, not JSON
+        (b"[" * 3000, "application/json"),  # deeper than json's recursion allows
+        (b'{"id": ' + b"9" * 5000 + b"}", "application/json"),  # past int()'s 4,300 digits
+        (b'{"choices": []}', "application/json"),  # no reply at all
+        (  # a choice the server failed to finish
+            b'{"choices": [{"index": 0, "message": {"content": "RESULT: (C)"}, "finish_reason": "abort"}]}',
+            "application/json",
+        ),
     ],
 )
-def test_a_reply_that_is_not_a_chat_completion_is_retried_then_named(raw, content_type):
+def test_a_reply_that_is_not_a_chat_completion_is_retried_then_named(raw, content_type, tmp_path):
     async def scenario():
         def script(body, i):
             return Reply(raw=raw, content_type=content_type) if i < 2 else Reply()
 
-        async with ScriptedServer(script=script) as server:  # twice garbage, then a good reply
-            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+        with ResponseCache(tmp_path / "responses.sqlite") as cache:  # twice garbage, then a good reply
+            async with (
+                ScriptedServer(script=script) as server,
+                LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client,
+            ):
                 responses = await client.run_batch([gen_request(1)])
             assert responses[0].retries == 2 and responses[0].parsed[0].answer == "(A)"
+            assert len(cache) == 1  # the good reply only: a rerun is served it, never the garbage
         garbage = ScriptedServer(script=lambda body, i: Reply(raw=raw, content_type=content_type))
         async with garbage as server, LiveClient([strong(server)], retry=FAST_RETRY) as client:
             with pytest.raises(ServerUnavailableError, match=r"failed 4 attempts of a generate call \(stream 0, "
@@ -885,6 +896,23 @@ def test_a_chat_completion_without_a_json_content_type_is_read():
             )
 
     run(scenario())
+
+
+def test_a_server_without_token_usage_is_warned_of_once(recwarn):
+    body = {"choices": [{"index": 0, "message": {"content": "RESULT: (B)"}, "finish_reason": "stop"}]}
+
+    async def scenario():
+        raw = json.dumps(body).encode()
+        async with ScriptedServer(script=lambda b, i: Reply(raw=raw)) as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                responses = await client.run_batch([gen_request(i) for i in range(3)])
+            assert [r.prompt_tokens for r in responses] == [0, 0, 0]
+
+    run(scenario())
+    said = [str(w.message) for w in recwarn if "token usage" in str(w.message)]
+    expected = ("live backend: the strong server sent a reply without token usage; its tokens count as 0 "
+                "(tokens per task, the server-side prefix savings)")  # fmt: skip
+    assert said == [expected]
 
 
 def test_unreachable_server_is_named():

@@ -165,7 +165,10 @@ def test_parse_inference_good_replies(bbh):
         '{"abilities": ["temporal", "mathematical"]}',  # not a documented pair
         '{"abilities": ["temporal", "temporal"]}',
         "",
+        "[" * 3000,  # deeper than json's recursion allows
+        '{"abilities": ' + "9" * 5000 + "}",  # past int()'s 4,300 digits
     ],
+    ids=lambda reply: reply[:24],
 )
 def test_parse_inference_garbage(bbh, reply):
     with pytest.raises(ReplyParseError):
@@ -371,7 +374,14 @@ def test_finalize_without_committed_answer_is_capped():
         "[1, 0.5]",
         "",
         "{" * 50,
+        # garbage past json's own limits: nesting deeper than its recursion, an integer of more
+        # than 4,300 digits, a score too large for a float
+        "[" * 3000,
+        '{"a":' * 3000,
+        '{"half_correct": ' + "9" * 5000 + "}",
+        _review_json(half_correct=10**400, normal_working_score=10**400),
     ],
+    ids=lambda reply: reply[:24],
 )
 def test_parse_review_garbage(reply):
     with pytest.raises(ReplyParseError):

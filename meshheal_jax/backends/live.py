@@ -60,11 +60,12 @@ import random
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 from meshheal_jax.backends.cache import ResponseCache, cache_key
-from meshheal_jax.errors import MeshHealError
+from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.prompts import TEXT_PARSER, ReplyParseError, ReplyParser
 
 KINDS = ("infer", "generate", "review", "committee1", "committee2", "candidate", "synthesis")
@@ -526,6 +527,7 @@ class LiveClient:
         self._turn: dict[str, int] = {}
         self.model_ids: dict[str, str] = {}
         self.stats = LiveStats()
+        self._without_usage: set[str] = set()  # roles whose server sent a reply without usage
         self._jitter = random.Random()
         self._openai = None
         self._post_options: dict = {}
@@ -791,10 +793,19 @@ class LiveClient:
         hit = self.cache.get(key)
         if hit is not None:
             self.stats.cache_hits += 1
+            self._note_usage(request.role, hit)
             return hit, True, 0
         payload, retries = await self._post(request, params)
         self.cache.put_soon(key, model_id, payload)
         return payload, False, retries
+
+    def _note_usage(self, role: str, payload: Mapping[str, Any]) -> None:
+        """Warn, once per role, of a reply without `usage`: its tokens count 0 in every table."""
+        if payload["usage"] is None and role not in self._without_usage:
+            self._without_usage.add(role)
+            warnings.warn(MeshHealWarning(
+                f"live backend: the {role} server sent a reply without token usage; its tokens count "
+                "as 0 (tokens per task, the server-side prefix savings)"), stacklevel=2)  # fmt: skip
 
     def _next_server(self, role: str) -> _Server:
         servers = self._servers[role]
@@ -837,8 +848,11 @@ class LiveClient:
                         "/chat/completions", cast_to=object, body=body, options=self._post_options
                     )
                     payload = _payload(reply, time.monotonic() - started)
-                except json.JSONDecodeError as err:  # a 200 body labelled JSON that is not
-                    last_error = f"HTTP 200 with a body that is not valid JSON ({err})"
+                except (ValueError, RecursionError) as err:  # a 200 body labelled JSON that is not
+                    # (JSONDecodeError; or json's limits: ~1,000 levels deep, 4,300-digit integers)
+                    last_error = (
+                        f"HTTP 200 with a body that is not valid JSON ({type(err).__name__}: {_short(err)})"
+                    )
                 except openai.RateLimitError as err:
                     retry_after = _retry_after_s(err.response)
                     last_error = "HTTP 429 (rate limited)"
@@ -849,11 +863,12 @@ class LiveClient:
                             f"rejected a {request.kind} call (stream {request.stream}, t {request.t}, "
                             f"call {request.call_id}) with HTTP {err.status_code}: {_short(err)}"
                         ) from None
-                    last_error = f"HTTP {err.status_code}"
+                    last_error = f"HTTP {err.status_code}: {_short(err)}"
                 except openai.APIConnectionError as err:
                     last_error = f"{type(err).__name__}: {_short(err)}"
                 else:
                     if payload is not None:
+                        self._note_usage(request.role, payload)
                         return payload, attempt
                     # a 200 that is not a chat completion (a proxy's page, a half-written body):
                     # retried like a 5xx, on the next server of the role if there is one
@@ -876,6 +891,8 @@ class LiveClient:
 
 
 _MISSING_CHOICE = {"content": "", "finish_reason": "missing"}
+# finish reasons of a reply the server itself failed to finish (vLLM: "abort"; others: "error")
+FAILED_FINISH_REASONS = ("abort", "error")
 # the order in which the SDK's `chat.completions.create` lays out these fields (after model, messages)
 _SDK_BODY_ORDER = (
     "max_completion_tokens",
@@ -923,17 +940,20 @@ def _usage(payload: Mapping[str, Any], field: str) -> int:
 
 def _payload(reply: Any, latency_s: float) -> dict | None:
     """The part of a chat completion's JSON kept (and cached): texts, finish reasons, usage,
-    latency; None when `reply` is not a chat completion (not an object with a list of choices).
+    latency; None when `reply` is not a chat completion (not an object with a non-empty list of
+    choices) or a choice ended in the server's own failure (FAILED_FINISH_REASONS).
     Missing or null fields read as empty (content ""), as the SDK's models read them. A reply
     without a JSON content type comes from the SDK as its text, read as JSON here."""
     if isinstance(reply, str):
         try:
             reply = json.loads(reply)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(reply, Mapping) or not isinstance(reply.get("choices"), list):
         return None
     choices = [c for c in reply["choices"] if isinstance(c, Mapping)]
+    if not choices or any(str(c.get("finish_reason")) in FAILED_FINISH_REASONS for c in choices):
+        return None  # no reply, or the server's own failure: retried, never cached as model output
     choices.sort(key=lambda choice: _int(choice.get("index")))
     usage = reply.get("usage")
     usage = usage if isinstance(usage, Mapping) else None
