@@ -455,6 +455,7 @@ def test_retry_on_5xx_then_success():
                 (response,) = await client.run_batch([gen_request(0)])
                 assert client.stats.transport_retries == 2
             assert response.retries == 2 and len(server.chats) == 3
+            assert trace_rows([gen_request(0)], [response])[0]["retries"] == 2  # the trace keeps them
 
     run(scenario())
 
@@ -470,13 +471,17 @@ def test_5xx_storm_is_bounded():
     run(scenario())
 
 
-def test_no_retry_on_400():
+def test_no_retry_on_400(tmp_path):
     async def scenario():
-        async with ScriptedServer(lambda body, index: Reply(status=400)) as server:
-            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
-                with pytest.raises(RequestRejectedError, match="HTTP 400"):
-                    await client.run_batch([gen_request(0)])
-            assert len(server.chats) == 1
+        with ResponseCache(tmp_path / "responses.sqlite") as cache:
+            async with ScriptedServer(lambda body, index: Reply(status=400)) as server:
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
+                    # a rerun would send the same request: resuming needs what was refused changed
+                    with pytest.raises(
+                        RequestRejectedError, match="HTTP 400.*once what the server refused is changed"
+                    ):
+                        await client.run_batch([gen_request(0)])
+                assert len(server.chats) == 1
 
     run(scenario())
 

@@ -676,6 +676,8 @@ class LiveClient:
         done = len(requests) - len(failures)
         if self.cache is not None:
             kept = f"the {done} completed call(s) and every reply received are saved in {self.cache.path}; re-run to resume"
+            if isinstance(first, RequestRejectedError):  # the same request would be refused again
+                kept += ", once what the server refused is changed (a rerun sends the same request)"
         else:
             kept = "no response cache is configured, so the received replies are not kept"
         raise type(first)(
@@ -1055,6 +1057,7 @@ def trace_rows(requests: Sequence[CallRequest], responses: Sequence[CallResponse
                 "prefix_shared_tokens": response.prefix_shared_tokens,
                 "cached_prompt_tokens": response.cached_prompt_tokens,
                 "latency_s": response.latency_s,
+                "retries": response.retries,  # transport retries: a flaky server shows here
                 "parse_status": ",".join(response.parse_status),
                 "parse_failures": response.parse_failures,
                 "scores": None
