@@ -69,11 +69,14 @@ class RunFolder:
 
 def _read_json(path: Path, what: str) -> dict:
     try:
-        return json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise MeshHealError(f"{path.parent} has no {path.name} ({what})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError):
         raise MeshHealError(f"{path} is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise MeshHealError(f"{path} is not a run's {path.name}: JSON, but not an object")
+    return doc
 
 
 def _read_table(run_dir: Path, name: str) -> pl.DataFrame:

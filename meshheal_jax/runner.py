@@ -508,54 +508,77 @@ _LOST_CONFIG = ("; to resume, restore its config.json (the one the same command 
                 "serves), or choose another --out; {out}/parts is left as it is")  # fmt: skip
 
 
+def _previous_config(out: Path) -> dict:
+    """The config.json of an existing run folder, or a one-line error naming what is wrong with it
+    (unreadable, not JSON, not a run's layout)."""
+    hint = _LOST_CONFIG.format(out=out) if (out / "parts").is_dir() else ""
+    try:
+        previous = json.loads((out / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise MeshHealError(f"output folder {out} has an unreadable config.json{hint}") from None
+    if not isinstance(previous, dict) or not previous.get(RUN_MARKER):
+        raise MeshHealError(f"output folder {out} exists and is not a run folder")
+    inputs = previous.get("inputs", {})
+    if not isinstance(previous.get("experiment"), dict) or not (
+        isinstance(inputs, dict)
+        and all(isinstance(e, dict) and isinstance(e.get("sha256"), str) for e in inputs.values())
+    ):
+        raise MeshHealError(f"output folder {out} has a damaged config.json (its experiment or inputs){hint}")
+    return previous
+
+
+def check_run_dir(exp: Experiment, out: Path) -> dict | None:
+    """Whether `out` may hold `exp`'s run, writing nothing: None for a folder to create (absent or
+    empty), the recorded config.json for a resume of the same experiment; a one-line error for
+    anything else (another configuration, other input contents, not a run folder). A command of
+    several arms checks every arm's folder with it before any arm runs."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise MeshHealError(f"output path {out} exists and is not a folder")
+    if not (out / "config.json").exists():
+        if (out / "parts").is_dir():
+            raise MeshHealError(f"output folder {out} holds finished streams (parts/) but no config.json"
+                                f"{_LOST_CONFIG.format(out=out)}")  # fmt: skip
+        if any(out.iterdir()):
+            raise MeshHealError(f"output folder {out} exists and is not a run folder")
+        return None
+    previous = _previous_config(out)
+    if "methods" not in previous["experiment"]:
+        raise MeshHealError(
+            f"output folder {out} holds a run of an older layout (one method, parts without the method); "
+            "choose another --out"
+        )  # fmt: skip
+    changed = ", ".join(changed_settings(previous["experiment"], exp)[:6])
+    if changed:
+        raise MeshHealError(
+            f"output folder {out} holds a run of a different configuration ({changed} differ); choose another --out"
+        )
+    inputs = input_digests(exp)
+    changed = [
+        f"{role} ({entry['path']})"
+        for role, entry in inputs.items()
+        if role in previous.get("inputs", {}) and previous["inputs"][role]["sha256"] != entry["sha256"]
+    ]
+    if changed:  # finished streams were made from the old contents: mixing them is wrong
+        raise MeshHealError(
+            f"output folder {out} was run with other contents of {', '.join(changed)}; "
+            "choose another --out, or restore the file(s) to resume"
+        )
+    return previous
+
+
 def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     """Create a new run folder, or reopen one holding the same experiment (resume)."""
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = Path("runs") / f"{exp.name}-{stamp}"
     config_path = out / "config.json"
-    if out.exists():
-        if not out.is_dir():
-            raise MeshHealError(f"output path {out} exists and is not a folder")
-        if config_path.exists():
-            try:
-                previous = json.loads(config_path.read_text())
-            except json.JSONDecodeError:
-                hint = _LOST_CONFIG.format(out=out) if (out / "parts").is_dir() else ""
-                raise MeshHealError(f"output folder {out} has an unreadable config.json{hint}") from None
-            if not previous.get(RUN_MARKER):
-                raise MeshHealError(f"output folder {out} exists and is not a run folder")
-            if "methods" not in previous.get("experiment", {}):
-                raise MeshHealError(
-                    f"output folder {out} holds a run of an older layout (one method, parts without the method); "
-                    "choose another --out"
-                )  # fmt: skip
-            changed = ", ".join(changed_settings(previous.get("experiment"), exp)[:6])
-            if changed:
-                raise MeshHealError(
-                    f"output folder {out} holds a run of a different configuration ({changed} differ); "
-                    "choose another --out"
-                )
-            inputs = input_digests(exp)
-            if "inputs" not in previous:  # a folder made before inputs were kept: from now on
-                write_atomic(config_path, json.dumps({**previous, "inputs": inputs}, indent=2))
-            changed = [
-                f"{role} ({entry['path']})"
-                for role, entry in inputs.items()
-                if role in previous.get("inputs", {})
-                and previous["inputs"][role]["sha256"] != entry["sha256"]
-            ]
-            if changed:  # finished streams were made from the old contents: mixing them is wrong
-                raise MeshHealError(
-                    f"output folder {out} was run with other contents of {', '.join(changed)}; "
-                    "choose another --out, or restore the file(s) to resume"
-                )
-            return out
-        if (out / "parts").is_dir():
-            raise MeshHealError(f"output folder {out} holds finished streams (parts/) but no config.json"
-                                f"{_LOST_CONFIG.format(out=out)}")  # fmt: skip
-        if any(out.iterdir()):
-            raise MeshHealError(f"output folder {out} exists and is not a run folder")
+    previous = check_run_dir(exp, out)
+    if previous is not None:
+        if "inputs" not in previous:  # a folder made before inputs were kept: from now on
+            write_atomic(config_path, json.dumps({**previous, "inputs": input_digests(exp)}, indent=2))
+        return out
     out.mkdir(parents=True, exist_ok=True)
     config = {RUN_MARKER: True, "experiment": exp.to_json(), "inputs": input_digests(exp), "versions": _versions(),
               "git_revision": _git_revision(), "created": datetime.datetime.now().isoformat()}  # fmt: skip

@@ -678,3 +678,57 @@ def test_a_folder_that_lost_its_config_says_how_to_resume(tmp_path):
     (out / "config.json").write_text('{"trunc')
     with pytest.raises(MeshHealError, match=r"unreadable config.json; to resume, restore its config.json"):
         prepare_run_dir(exp, out)
+
+
+def test_a_multi_arm_command_checks_every_arm_folder_before_running_any(tmp_path):
+    """ablate (and detectors, through the same run_all) / scale: an arm folder holding another
+    configuration is refused before any arm runs, so no other arm is run at the new settings."""
+    from meshheal_jax import ablate, scale
+
+    config = tyro.cli(ablate.AblateConfig, args=["--seeds", "1", "--tasks", "84", "--protocol.alpha", "1.1"])
+    prepare_run_dir(ablate.experiment(config, "full"), tmp_path / "ablate" / "full")
+    proc = cli("ablate", "--variants", "no_takeover", "full", "--seeds", "1", "--tasks", "84", "--quiet",
+               "--out", str(tmp_path / "ablate"), cwd=tmp_path)  # fmt: skip
+    assert (
+        proc.returncode == 2
+        and "ablate/full holds a run of a different configuration (protocol.alpha" in proc.stderr
+    )
+    assert not (tmp_path / "ablate" / "no_takeover").exists()
+    config = tyro.cli(scale.ScaleConfig, args=["--agents", "12", "--seeds", "1", "--protocol.alpha", "1.1"])
+    prepare_run_dir(scale.experiment(config, "sparse"), tmp_path / "scale" / "sparse")
+    proc = cli("scale", "--agents", "12", "--compare", "--seeds", "1", "--quiet", "--out", str(tmp_path / "scale"),
+               cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "scale/sparse holds a run of a different configuration" in proc.stderr
+    assert not (tmp_path / "scale" / "complete").exists()
+
+
+@pytest.mark.parametrize(
+    "config_text, message",
+    [
+        (b"\xff\xff", "has an unreadable config.json"),  # not UTF-8
+        (b"[]", "exists and is not a run folder"),  # JSON, not an object
+        (b'{"meshheal_run": true, "experiment": [], "inputs": {}}', "has a damaged config.json"),
+        (
+            b'{"meshheal_run": true, "experiment": {}, "inputs": {"profile bbh": "x"}}',
+            "has a damaged config.json",
+        ),
+    ],
+)
+def test_a_damaged_config_json_is_named_in_one_line(config_text, message, tmp_path):
+    out = tmp_path / "run"
+    (out / "parts").mkdir(parents=True)
+    (out / "config.json").write_bytes(config_text)
+    proc = cli(
+        "main",
+        "--datasets",
+        "bbh",
+        "--seeds",
+        "1",
+        "--tasks",
+        "84",
+        "--quiet",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

@@ -414,6 +414,11 @@ def test_cli_rejects_folders_that_are_not_finished_runs(tmp_path, main_run):
     (tmp_path / "config.json").write_text((main_run.run_dir / "config.json").read_text())
     with pytest.raises(MeshHealError, match="no summary.json"):
         report.write_report(tmp_path)
+    (tmp_path / "summary.json").write_text("[]")
+    with pytest.raises(
+        MeshHealError, match="summary.json is not a run's summary.json: JSON, but not an object"
+    ):
+        report.write_report(tmp_path)
 
 
 def test_cli_writes_the_report(main_run, tmp_path):
