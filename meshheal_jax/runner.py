@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -379,6 +380,11 @@ class Experiment:
             for profile in profiles:
                 for model in (loaded.strong, loaded.weak):
                     model.p_part_base(profile)
+        if self.engine == "jax":
+            for profile in profiles:
+                check_window_memory(
+                    self.protocol, self.n_agents, len(profile.task_types), len(profile.abilities)
+                )
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
         self.schedule()
@@ -566,6 +572,23 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
             "choose another --out, or restore the file(s) to resume"
         )
     return previous
+
+
+def check_window_memory(protocol: ProtocolParams, n_agents: int, n_types: int, n_abilities: int) -> None:
+    """The jax engine holds every detector window in full from the start: N x types x abilities x
+    (window_scores + window_shortfalls) float64 per stream. A stream whose windows alone would not
+    fit in this machine's memory is refused here (it would otherwise stall in the allocator)."""
+    needed = 8 * n_agents * n_types * n_abilities * (protocol.window_scores + protocol.window_shortfalls)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no check
+        return
+    if needed > memory:
+        raise MeshHealError(
+            f"window_scores={protocol.window_scores} and window_shortfalls={protocol.window_shortfalls}: the "
+            f"detector's windows of one stream would take {needed / 2**30:,.1f} GiB ({n_agents} agents x {n_types} "
+            f"task types x {n_abilities} abilities x their sum x 8 bytes); this machine has {memory / 2**30:,.1f} GiB"
+        )
 
 
 def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:

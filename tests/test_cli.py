@@ -346,6 +346,11 @@ BAD_INPUTS = {
     "a dataset twice": (("--datasets", "math", "math"), "datasets must be distinct, got ['math', 'math']"),
     "no datasets": (("--datasets",), "no datasets given"),
     "empty --data": (("--datasets", "bbh", "--data", ""), "--data is empty"),  # "$DIR" with DIR unset
+    # the jax engine allocates every window up front: 219 GiB once stalled in the allocator, unkillable
+    "windows past memory": (
+        ("--datasets", "bbh", "--protocol.window-scores", "100000000000"),
+        "the detector's windows of one stream would take 219,047.4 GiB (6 agents x 7 task types x 7 abilities",
+    ),
     # a path would also name the run folder's parts (and could leave it through '..')
     "a profile path as dataset": (("--datasets", "../profiles/bbh.toml"), "is not a name"),
 }
