@@ -348,8 +348,8 @@ BAD_INPUTS = {
     "empty --data": (("--datasets", "bbh", "--data", ""), "--data is empty"),  # "$DIR" with DIR unset
     # the jax engine allocates every window up front: 219 GiB once stalled in the allocator, unkillable
     "windows past memory": (
-        ("--datasets", "bbh", "--protocol.window-scores", "100000000000"),
-        "the detector's windows of one stream would take 219,047.4 GiB (6 agents x 7 task types x 7 abilities",
+        ("--datasets", "bbh", "--protocol.window-scores", "2000000000"),
+        "the detector's windows of one stream would take 4,380.9 GiB (6 agents x 7 task types x 7 abilities",
     ),
     # a path would also name the run folder's parts (and could leave it through '..')
     "a profile path as dataset": (("--datasets", "../profiles/bbh.toml"), "is not a name"),
