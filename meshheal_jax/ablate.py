@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
-from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS
+from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS, ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.report import BEFORE_ONSET, detection_text
 
@@ -174,6 +174,10 @@ def print_summary(summary: dict) -> None:
 
 def body(cfg: AblateConfig) -> None:
     check_names(tuple(cfg.variants), VARIANTS, "variants")
+    if cfg.protocol.variant != ProtocolParams.variant:
+        raise MeshHealError(
+            "this command runs each of --variants in turn: it takes --variants, not --protocol.variant"
+        )
     out = combined_out("ablate", cfg.out)
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
     summary = run_all("ablate", experiments, out, not cfg.quiet, "--variants", **cfg.run_options())

@@ -16,7 +16,7 @@ import dataclasses
 from meshheal_jax import runner
 from meshheal_jax.ablate import check_names, combined_out, run_all
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
-from meshheal_jax.config import DETECTORS
+from meshheal_jax.config import DETECTORS, ProtocolParams
 from meshheal_jax.errors import MeshHealError
 
 
@@ -73,6 +73,10 @@ def body(cfg: DetectorsConfig) -> None:
     check_names(tuple(cfg.detectors), DETECTORS, "detectors")
     if cfg.pair != "default":
         raise MeshHealError("this command takes --pairs (several), not --pair")
+    if cfg.protocol.detector != ProtocolParams.detector:
+        raise MeshHealError(
+            "this command runs each of --detectors in turn: it takes --detectors, not --protocol.detector"
+        )
     out = combined_out("detectors", cfg.out)
     experiments = {detector: experiment(cfg, detector) for detector in cfg.detectors}
     summary = run_all("detectors", experiments, out, not cfg.quiet, "--detectors", **cfg.run_options())

@@ -737,3 +737,18 @@ def test_a_damaged_config_json_is_named_in_one_line(config_text, message, tmp_pa
         cwd=tmp_path,
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "command, flag, value", [("ablate", "variant", "no_takeover"), ("detectors", "detector", "cusum")]
+)
+def test_commands_over_arms_refuse_the_arms_own_protocol_flag(command, flag, value, tmp_path):
+    # each arm sets its own variant / detector: the flag would be dropped without a word
+    out = tmp_path / "out"
+    proc = cli(command, f"--protocol.{flag}", value, "--quiet", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"error: this command runs each of --{flag}s in turn: it takes --{flag}s, not --protocol.{flag}"
+    )
+    assert not out.exists()
