@@ -597,6 +597,8 @@ def _json_pairs(text: str, where: str) -> list[tuple[str, object]]:
         raise MeshHealError(f"{where}: not valid JSON: {err}") from None
     except RecursionError:
         raise MeshHealError(f"{where}: not valid JSON: nested too deeply") from None
+    except ValueError as err:  # an integer of more than 4,300 digits
+        raise MeshHealError(f"{where}: not valid JSON: {err}") from None
     if isinstance(doc, dict):
         if "edges" not in doc:
             raise MeshHealError(f"{where}: a JSON object needs an 'edges' list of [i, j] pairs")

@@ -380,11 +380,9 @@ class Experiment:
             for profile in profiles:
                 for model in (loaded.strong, loaded.weak):
                     model.p_part_base(profile)
-        if self.engine == "jax":
-            for profile in profiles:
-                check_window_memory(
-                    self.protocol, self.n_agents, len(profile.task_types), len(profile.abilities)
-                )
+        if self.engine == "jax" and "meshheal" in self.methods:  # all its streams are held side by side
+            shapes = [(len(profile.task_types), len(profile.abilities)) for profile in profiles]
+            check_window_memory(self.protocol, self.n_agents, shapes, len(self.seeds) * len(self.pairs))
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
         self.schedule()
@@ -522,7 +520,11 @@ def _previous_config(out: Path) -> dict:
         previous = json.loads((out / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raise MeshHealError(f"output folder {out} has an unreadable config.json{hint}") from None
-    if not isinstance(previous, dict) or not previous.get(RUN_MARKER):
+    if not isinstance(previous, dict):
+        raise MeshHealError(
+            f"output folder {out} has an unreadable config.json (JSON, but not an object){hint}"
+        )
+    if not previous.get(RUN_MARKER):
         raise MeshHealError(f"output folder {out} exists and is not a run folder")
     inputs = previous.get("inputs", {})
     if not isinstance(previous.get("experiment"), dict) or not (
@@ -574,20 +576,29 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
     return previous
 
 
-def check_window_memory(protocol: ProtocolParams, n_agents: int, n_types: int, n_abilities: int) -> None:
+def check_window_memory(
+    protocol: ProtocolParams, n_agents: int, shapes: list[tuple[int, int]], streams_per_dataset: int
+) -> None:
     """The jax engine holds every detector window in full from the start: N x types x abilities x
-    (window_scores + window_shortfalls) float64 per stream. A stream whose windows alone would not
-    fit in this machine's memory is refused here (it would otherwise stall in the allocator)."""
-    needed = 8 * n_agents * n_types * n_abilities * (protocol.window_scores + protocol.window_shortfalls)
+    (window_scores + window_shortfalls) float64 per stream, and a run's MeshHeal streams (every
+    dataset, seed and pair: `shapes` is each dataset's (types, abilities)) side by side. A run whose
+    windows alone would not fit in this machine's memory is refused here; it would otherwise stall
+    in the allocator. (A lower bound: the rest of the state, and XLA's copies, come on top.)"""
+    width = protocol.window_scores + protocol.window_shortfalls
+    needed = (
+        sum(8 * n_agents * types * abilities * width for types, abilities in shapes) * streams_per_dataset
+    )
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: no check
         return
     if needed > memory:
+        n_streams = len(shapes) * streams_per_dataset
         raise MeshHealError(
             f"window_scores={protocol.window_scores} and window_shortfalls={protocol.window_shortfalls}: the "
-            f"detector's windows of one stream would take {needed / 2**30:,.1f} GiB ({n_agents} agents x {n_types} "
-            f"task types x {n_abilities} abilities x their sum x 8 bytes); this machine has {memory / 2**30:,.1f} GiB"
+            f"detector's windows of the {n_streams} MeshHeal stream(s) held side by side would take "
+            f"{needed / 2**30:,.1f} GiB (per stream: {n_agents} agents x task types x abilities x {width} x 8 "
+            f"bytes); this machine has {memory / 2**30:,.1f} GiB"
         )
 
 

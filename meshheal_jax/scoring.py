@@ -138,7 +138,7 @@ def _normalise_text(text: str) -> str:
     return text.rstrip(".!").strip().casefold()
 
 
-_LETTER_ONLY = re.compile(r"^[(\[]?[A-Za-z][)\]]?[.:]?$")
+_LETTER_ONLY = re.compile(r"^[(\[]?([A-Za-z])[)\]]?[.:]?$")
 
 
 def option_letter(
@@ -149,11 +149,13 @@ def option_letter(
 
     An answer that quotes an option's text in full reads as that option even where the text
     starts like a letter ("H. Ross Perot, 1996" is option C's text, not option H); a bare letter
-    ("B", "(B)", "B.") is always a letter.
+    ("B", "(B)", "B.") of `letters` is always a letter, and one outside them ("S", an option's
+    text for the S phase) can only be an option's text.
     """
     candidate = _strip_wrappers(answer)
     candidate = re.sub(r"^\\text\{(.*)\}$", r"\1", candidate).strip()
-    if options and not _LETTER_ONLY.match(candidate):
+    bare = _LETTER_ONLY.match(candidate)
+    if options and not (bare and bare.group(1).upper() in letters):
         wanted = _normalise_text(answer)
         hits = [i for i, option in enumerate(options) if _normalise_text(option) == wanted]
         if len(hits) == 1 and hits[0] < len(letters):
@@ -172,8 +174,13 @@ def option_letter(
 _BBH_OPTION_TARGET = re.compile(r"^\(([A-Z])\)$")
 
 
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+
+
 def _as_number(text: str) -> float | None:
-    if "_" in text:  # float() reads "1_5" as 15
+    """A number as written: "15", "-2.5", "1e3"; commas only as thousands separators ("1,000"),
+    so "1,5" is no number; float()'s underscores ("1_5") neither."""
+    if "_" in text or ("," in text and not _THOUSANDS.fullmatch(text)):
         return None
     try:
         return float(text.replace(",", ""))

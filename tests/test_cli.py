@@ -349,7 +349,7 @@ BAD_INPUTS = {
     # the jax engine allocates every window up front: 219 GiB once stalled in the allocator, unkillable
     "windows past memory": (
         ("--datasets", "bbh", "--protocol.window-scores", "2000000000"),
-        "the detector's windows of one stream would take 4,380.9 GiB (6 agents x 7 task types x 7 abilities",
+        "the detector's windows of the 5 MeshHeal stream(s) held side by side would take 21,904.7 GiB (per stream: 6",
     ),
     # a path would also name the run folder's parts (and could leave it through '..')
     "a profile path as dataset": (("--datasets", "../profiles/bbh.toml"), "is not a name"),
@@ -711,7 +711,7 @@ def test_a_multi_arm_command_checks_every_arm_folder_before_running_any(tmp_path
     "config_text, message",
     [
         (b"\xff\xff", "has an unreadable config.json"),  # not UTF-8
-        (b"[]", "exists and is not a run folder"),  # JSON, not an object
+        (b"[]", "has an unreadable config.json (JSON, but not an object); to resume, restore"),
         (b'{"meshheal_run": true, "experiment": [], "inputs": {}}', "has a damaged config.json"),
         (
             b'{"meshheal_run": true, "experiment": {}, "inputs": {"profile bbh": "x"}}',

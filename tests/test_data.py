@@ -279,6 +279,12 @@ def test_invalid_json_line_and_non_object_rows(tmp_path):
     path.write_text(json.dumps(mmlu_rows()[0]) + "\n[1, 2]\n")
     with pytest.raises(MeshHealError, match=r"row 2: expected a JSON object, got list"):
         data.load_local("mmlu_pro", path)
+    path.write_text(json.dumps(mmlu_rows()[0]) + '\n{"question_id": ' + "9" * 5000 + "}\n")
+    with pytest.raises(MeshHealError, match=r"row 2: invalid JSON \(Exceeds the limit \(4300 digits\)"):
+        data.load_local("mmlu_pro", path)
+    (tmp_path / "m.json").write_text("[" + "9" * 5000 + "]")
+    with pytest.raises(MeshHealError, match=r"m\.json: invalid JSON \(Exceeds the limit"):
+        data.load_local("mmlu_pro", tmp_path / "m.json")
 
 
 def test_mmlu_pro_bad_rows(tmp_path):
@@ -669,11 +675,12 @@ def test_bbh_option_targets_written_otherwise_become_their_letter(target, gold):
     assert score("bbh", f"RESULT: {record.options[ord(gold[1]) - 65]}", record.gold, record.options)
 
 
-def test_bbh_target_naming_no_option_is_a_row_error():
-    question = "Which one?\nOptions:\n(A) this\n(B) that"
-    with pytest.raises(
-        MeshHealError, match=r"row 1: target 'Yes' names none of the question's options \(A\)-\(B\)"
-    ):
-        data.map_bbh_row({"input": question, "target": "Yes"}, "navigate", "navigate.json, row 1")
+def test_bbh_target_naming_no_option_stays_a_literal():
+    # three upstream rows have options split wrongly at a comma (movie_recommendation 163:
+    # "(A) Monsters" / "Inc"): their targets name no option and are scored as literal text
+    question = "Which one?\nOptions:\n(A) Monsters\n(B) Inc\n(C) Up"
+    record = data.map_bbh_row({"input": question, "target": "Monsters, Inc"}, "movie", "movie.json, row 164")
+    assert record.gold == "Monsters, Inc"
+    assert score("bbh", "RESULT: Monsters, Inc", record.gold, record.options)
     literal = data.map_bbh_row({"input": "Is it?", "target": "Yes"}, "navigate", "navigate.json, row 1")
     assert literal.gold == "Yes" and literal.options is None

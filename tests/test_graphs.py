@@ -429,6 +429,7 @@ def test_generated_graph_round_trips_through_both_formats(tmp_path):
         ("g.json", '"edges"', "expected a list of [i, j] pairs"),
         ("g.json", "[[0, 1],", "not valid JSON"),
         ("g.json", "[" * 100_000 + "]" * 100_000, "not valid JSON: nested too deeply"),
+        ("g.json", "[[0, " + "9" * 5000 + "]]", "not valid JSON: Exceeds the limit (4300 digits)"),
     ],
 )
 def test_load_rejects_bad_files(tmp_path, name, text, message):

@@ -881,7 +881,8 @@ def test_a_reply_that_is_not_a_chat_completion_is_retried_then_named(raw, conten
         async with garbage as server, LiveClient([strong(server)], retry=FAST_RETRY) as client:
             with pytest.raises(ServerUnavailableError, match=r"failed 4 attempts of a generate call \(stream 0, "
                                r"t 1\); last error: HTTP 200 with (something that is not a chat completion"
-                               r"|a body that is not valid JSON)"):  # fmt: skip
+                               r"|a body that is not valid JSON|no choices"
+                               r"|a choice the server failed to finish \(finish_reason 'abort'\))"):  # fmt: skip
                 await client.run_batch([gen_request(1)])
 
     run(scenario())
@@ -899,6 +900,39 @@ def test_a_chat_completion_without_a_json_content_type_is_read():
             assert (
                 response.parsed[0].answer == "(B)" and response.prompt_tokens == 5 and response.retries == 0
             )
+
+    run(scenario())
+
+
+def test_a_failure_an_older_version_cached_is_sent_again(tmp_path):
+    request = gen_request(1)
+
+    async def scenario():
+        async with ScriptedServer() as server:
+            with ResponseCache(tmp_path / "responses.sqlite") as cache:
+                async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
+                    params = client._params(request, 1, request.seed)
+                    key = cache_key(client.model_ids["strong"], request.messages, params)
+                    cache.put(
+                        key, client.model_ids["strong"], {"choices": [], "usage": None, "latency_s": 0.1}
+                    )
+                    (response,) = await client.run_batch([request])
+                assert response.parsed[0].answer == "(A)" and not response.from_cache
+                assert len(server.chats) == 1 and cache.get(key)["choices"]  # replaced by the reply
+
+    run(scenario())
+
+
+def test_a_request_that_cannot_be_encoded_is_raised_not_retried():
+    # a lone surrogate cannot be UTF-8: the request never leaves, so no server is blamed for it
+    async def scenario():
+        async with ScriptedServer() as server:
+            async with LiveClient([strong(server)], retry=FAST_RETRY) as client:
+                bad = gen_request(1, messages=[{"role": "user", "content": "q \ud800 x"}])
+                with pytest.raises(UnicodeEncodeError):
+                    await client.run_batch([bad])
+                assert client.stats.transport_retries == 0
+            assert server.chats == []
 
     run(scenario())
 

@@ -793,6 +793,8 @@ class LiveClient:
         model_id = self.model_ids[request.role]
         key = cache_key(model_id, request.messages, params)
         hit = self.cache.get(key)
+        if hit is not None and _unfinished(hit) is not None:
+            hit = None  # an older version cached the server's failure: sent again, its reply replaces it
         if hit is not None:
             self.stats.cache_hits += 1
             self._note_usage(request.role, hit)
@@ -850,8 +852,15 @@ class LiveClient:
                         "/chat/completions", cast_to=object, body=body, options=self._post_options
                     )
                     payload = _payload(reply, time.monotonic() - started)
-                except (ValueError, RecursionError) as err:  # a 200 body labelled JSON that is not
-                    # (JSONDecodeError; or json's limits: ~1,000 levels deep, 4,300-digit integers)
+                # a 200 body labelled JSON that is not JSON, or is past json's limits (~1,000 levels
+                # deep, 4,300-digit integers); any other ValueError (a message that cannot be
+                # encoded) is this side's, raised as it is
+                except (RecursionError, ValueError) as err:
+                    json_limit = isinstance(
+                        err, (json.JSONDecodeError, RecursionError)
+                    ) or "integer string" in str(err)
+                    if not json_limit:
+                        raise
                     last_error = (
                         f"HTTP 200 with a body that is not valid JSON ({type(err).__name__}: {_short(err)})"
                     )
@@ -865,17 +874,21 @@ class LiveClient:
                             f"rejected a {request.kind} call (stream {request.stream}, t {request.t}, "
                             f"call {request.call_id}) with HTTP {err.status_code}: {_short(err)}"
                         ) from None
-                    last_error = f"HTTP {err.status_code}: {_short(err)}"
+                    last_error = f"HTTP {err.status_code}: " + _short(err).removeprefix(
+                        f"Error code: {err.status_code} - "
+                    )
                 except openai.APIConnectionError as err:
                     last_error = f"{type(err).__name__}: {_short(err)}"
                 else:
                     if payload is not None:
                         self._note_usage(request.role, payload)
                         return payload, attempt
-                    # a 200 that is not a chat completion (a proxy's page, a half-written body):
-                    # retried like a 5xx, on the next server of the role if there is one
-                    last_error = "HTTP 200 with something that is not a chat completion: " + _short(
-                        repr(reply), 200
+                    # a 200 that is not a chat completion (a proxy's page, a half-written body) or
+                    # one the server failed to finish: retried like a 5xx, on the next server of
+                    # the role if there is one
+                    last_error = "HTTP 200 with " + (
+                        _unfinished(reply)
+                        or "something that is not a chat completion: " + _short(repr(reply), 200)
                     )
                 finally:
                     server.stats.in_flight -= 1
@@ -953,9 +966,9 @@ def _payload(reply: Any, latency_s: float) -> dict | None:
             return None
     if not isinstance(reply, Mapping) or not isinstance(reply.get("choices"), list):
         return None
-    choices = [c for c in reply["choices"] if isinstance(c, Mapping)]
-    if not choices or any(str(c.get("finish_reason")) in FAILED_FINISH_REASONS for c in choices):
+    if _unfinished(reply) is not None:
         return None  # no reply, or the server's own failure: retried, never cached as model output
+    choices = [c for c in reply["choices"] if isinstance(c, Mapping)]
     choices.sort(key=lambda choice: _int(choice.get("index")))
     usage = reply.get("usage")
     usage = usage if isinstance(usage, Mapping) else None
@@ -975,6 +988,22 @@ def _payload(reply: Any, latency_s: float) -> dict | None:
         },
         "latency_s": latency_s,
     }
+
+
+def _unfinished(reply: Any) -> str | None:
+    """What makes a chat completion (or a cached payload) no reply at all: no choices, or a choice
+    the server failed to finish (FAILED_FINISH_REASONS); None for a reply, or for what is not a
+    chat completion."""
+    choices = reply.get("choices") if isinstance(reply, Mapping) else None
+    if not isinstance(choices, list):
+        return None
+    choices = [c for c in choices if isinstance(c, Mapping)]
+    if not choices:
+        return "no choices"
+    failed = [
+        str(c.get("finish_reason")) for c in choices if str(c.get("finish_reason")) in FAILED_FINISH_REASONS
+    ]
+    return f"a choice the server failed to finish (finish_reason {failed[0]!r})" if failed else None
 
 
 def _content(choice: Mapping[str, Any]) -> str:
