@@ -9,7 +9,7 @@
 # Every option also reads an environment variable (in brackets); flags win over the environment.
 #   --layout one-gpu|node8|multi-node   [MESHHEAL_LAYOUT]       default one-gpu
 #       one-gpu    both models on GPU 0 (141 GB class GPU): strong at 0.77, weak at 0.15 of memory
-#       node8      strong with --data-parallel-size 7 on GPUs 0-6, weak on GPU 7 (0.90 each)
+#       node8      strong on GPUs 0-6, weak on GPU 7 (0.90 each)
 #       multi-node prints per-node commands and the client's URL lists (starts nothing)
 #   --pair default|A|B                  [MESHHEAL_PAIR]         model pair (protocol.md §1)
 #       default: openai/gpt-oss-120b / meta-llama/Llama-3.2-1B-Instruct
@@ -21,6 +21,11 @@
 #   --strong-gpus LIST, --weak-gpus LIST [MESHHEAL_STRONG_GPUS, MESHHEAL_WEAK_GPUS] e.g. 0,1,2
 #   --strong-mem F, --weak-mem F        [MESHHEAL_STRONG_MEM, MESHHEAL_WEAK_MEM] --gpu-memory-utilization
 #   --strong-tp N                       [MESHHEAL_STRONG_TP]    tensor parallel size per replica (1)
+#   --strong-dp replicas|vllm           [MESHHEAL_STRONG_DP]    several strong replicas (node8) as
+#       replicas   one independent server per replica, ports --strong-port + 0, 1, ...; the weak
+#                  port moves past them unless given (default; the client round-robins the URLs)
+#       vllm       one server with vLLM's --data-parallel-size (spec/live.md's layout): gpt-oss
+#                  needs data x tensor parallel ranks to divide its MoE width 2880 (7 does not)
 #   --max-model-len N                   [MESHHEAL_MAX_MODEL_LEN]  both servers (32768)
 #   --strong-max-model-len N, --weak-max-model-len N
 #   --max-num-seqs N                    [MESHHEAL_MAX_NUM_SEQS]   both servers (256)
@@ -42,7 +47,7 @@ REPO_DIR="$(dirname "$SCRIPT_DIR")"
 die() { printf 'vllm_pair.sh: error: %s\n' "$*" >&2; exit 2; }
 note() { printf 'vllm_pair.sh: %s\n' "$*" >&2; }
 
-usage() { sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,41p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 # ---------------------------------------------------------------------------------------------
 # Settings: flags > environment > layout defaults
@@ -55,11 +60,13 @@ WEAK_MODEL="${MESHHEAL_WEAK_MODEL:-}"
 HOST="${MESHHEAL_HOST:-127.0.0.1}"
 STRONG_PORT="${MESHHEAL_STRONG_PORT:-8000}"
 WEAK_PORT="${MESHHEAL_WEAK_PORT:-8001}"
+WEAK_PORT_GIVEN="${MESHHEAL_WEAK_PORT:+1}"
 STRONG_GPUS="${MESHHEAL_STRONG_GPUS:-}"
 WEAK_GPUS="${MESHHEAL_WEAK_GPUS:-}"
 STRONG_MEM="${MESHHEAL_STRONG_MEM:-}"
 WEAK_MEM="${MESHHEAL_WEAK_MEM:-}"
 STRONG_TP="${MESHHEAL_STRONG_TP:-1}"
+STRONG_DP_MODE="${MESHHEAL_STRONG_DP:-replicas}"
 MAX_MODEL_LEN="${MESHHEAL_MAX_MODEL_LEN:-32768}"
 STRONG_MAX_MODEL_LEN=""
 WEAK_MAX_MODEL_LEN=""
@@ -114,12 +121,13 @@ while [[ $# -gt 0 ]]; do
     --weak-model) WEAK_MODEL="$value" ;;
     --host) HOST="$value" ;;
     --strong-port) STRONG_PORT="$value" ;;
-    --weak-port) WEAK_PORT="$value" ;;
+    --weak-port) WEAK_PORT="$value"; WEAK_PORT_GIVEN=1 ;;
     --strong-gpus) STRONG_GPUS="$value" ;;
     --weak-gpus) WEAK_GPUS="$value" ;;
     --strong-mem) STRONG_MEM="$value" ;;
     --weak-mem) WEAK_MEM="$value" ;;
     --strong-tp) STRONG_TP="$value" ;;
+    --strong-dp) STRONG_DP_MODE="$value" ;;
     --max-model-len) MAX_MODEL_LEN="$value" ;;
     --strong-max-model-len) STRONG_MAX_MODEL_LEN="$value" ;;
     --weak-max-model-len) WEAK_MAX_MODEL_LEN="$value" ;;
@@ -177,13 +185,23 @@ stop_role() {
   rm -f "$(pid_file "$role")"
 }
 
+recorded_roles() {  # the roles with a PID file in RUN_DIR (strong, or strong-1..N; weak); both by default
+  local f found=()
+  for f in "$RUN_DIR"/strong*.pid "$RUN_DIR"/weak.pid; do
+    [[ -e "$f" ]] && found+=("$(basename "$f" .pid)")
+  done
+  (( ${#found[@]} )) || found=(strong weak)
+  printf '%s\n' "${found[@]}"
+}
+
 if [[ "$ACTION" == stop ]]; then
-  stop_role weak
-  stop_role strong
+  mapfile -t roles < <(recorded_roles)
+  for ((k = ${#roles[@]} - 1; k >= 0; k--)); do stop_role "${roles[k]}"; done  # weak first
   exit 0
 fi
 if [[ "$ACTION" == status ]]; then
-  for role in strong weak; do
+  mapfile -t roles < <(recorded_roles)
+  for role in "${roles[@]}"; do
     if pid="$(running_pid "$role")"; then
       printf '%s: running (pid %s, log %s/%s.log)\n' "$role" "$pid" "$RUN_DIR" "$role"
     else
@@ -214,6 +232,10 @@ case "$LAYOUT" in
     STRONG_MEM="${STRONG_MEM:-0.90}"; WEAK_MEM="${WEAK_MEM:-0.90}" ;;
   *) die "unknown layout '$LAYOUT' (one-gpu, node8, multi-node)" ;;
 esac
+case "$STRONG_DP_MODE" in
+  replicas|vllm) ;;
+  *) die "unknown --strong-dp '$STRONG_DP_MODE' (replicas, vllm)" ;;
+esac
 STRONG_MAX_MODEL_LEN="${STRONG_MAX_MODEL_LEN:-$MAX_MODEL_LEN}"
 WEAK_MAX_MODEL_LEN="${WEAK_MAX_MODEL_LEN:-$MAX_MODEL_LEN}"
 STRONG_MAX_NUM_SEQS="${STRONG_MAX_NUM_SEQS:-$MAX_NUM_SEQS}"
@@ -242,6 +264,31 @@ if (( used < ${#strong_gpu_list[@]} )); then
   STRONG_GPUS="$(IFS=,; echo "${strong_gpu_list[*]:0:$used}")"
 fi
 WEAK_TP=${#weak_gpu_list[@]}
+
+# The strong servers: one (one replica, or --strong-dp vllm) or one per replica, each on its own
+# TP-sized slice of the strong GPUs and its own port; the weak port moves past theirs unless given.
+strong_roles=(strong); strong_role_gpus=("$STRONG_GPUS"); strong_ports=("$STRONG_PORT")
+if [[ "$STRONG_DP_MODE" == replicas ]] && (( STRONG_DP > 1 )); then
+  strong_roles=(); strong_role_gpus=(); strong_ports=()
+  for ((r = 0; r < STRONG_DP; r++)); do
+    strong_roles+=("strong-$((r + 1))")
+    strong_role_gpus+=("$(IFS=,; echo "${strong_gpu_list[*]:$((r * STRONG_TP)):$STRONG_TP}")")
+    strong_ports+=("$((STRONG_PORT + r))")
+  done
+  if (( WEAK_PORT >= STRONG_PORT && WEAK_PORT < STRONG_PORT + STRONG_DP )); then
+    [[ -z "$WEAK_PORT_GIVEN" ]] \
+      || die "the weak port $WEAK_PORT is one of the strong replicas' ports ($STRONG_PORT-$((STRONG_PORT + STRONG_DP - 1)))"
+    WEAK_PORT=$((STRONG_PORT + STRONG_DP))
+  fi
+fi
+# vLLM's gpt-oss asserts that its MoE intermediate size (2880) divides the torch world size, which
+# under --data-parallel-size is data x tensor parallel ranks (vllm model_executor/models/gpt_oss.py)
+gpt_oss_ranks_ok() { [[ "$STRONG_MODEL" != *gpt-oss* ]] || (( 2880 % $1 == 0 )); }
+if [[ "$STRONG_DP_MODE" == vllm ]] && (( STRONG_DP > 1 )) && ! gpt_oss_ranks_ok $((STRONG_DP * STRONG_TP)); then
+  note "warning: $STRONG_MODEL with --data-parallel-size $STRONG_DP x tensor parallel $STRONG_TP ="\
+       "$((STRONG_DP * STRONG_TP)) ranks: vLLM's gpt-oss needs the ranks to divide 2880 and will fail to load;"\
+       "use --strong-dp replicas (the default), or GPUs / --strong-tp whose product divides 2880"
+fi
 
 # Two servers sharing a GPU must leave room for each other (the sum near 0.92).
 shared_gpu=0
@@ -275,7 +322,15 @@ strong_cmd=(vllm serve "$STRONG_MODEL" --served-model-name strong --host "$HOST"
   --gpu-memory-utilization "$STRONG_MEM" --max-model-len "$STRONG_MAX_MODEL_LEN"
   --max-num-seqs "$STRONG_MAX_NUM_SEQS" --enable-prefix-caching --generation-config vllm)
 (( STRONG_TP > 1 )) && strong_cmd+=(--tensor-parallel-size "$STRONG_TP")
-(( STRONG_DP > 1 )) && strong_cmd+=(--data-parallel-size "$STRONG_DP")
+[[ "$STRONG_DP_MODE" == vllm ]] && (( STRONG_DP > 1 )) && strong_cmd+=(--data-parallel-size "$STRONG_DP")
+strong_cmd_at() {  # port -> strong_at: the strong command serving on that port
+  strong_at=("${strong_cmd[@]}")
+  local k
+  for ((k = 0; k < ${#strong_at[@]}; k++)); do
+    [[ "${strong_at[k]}" == --port ]] && strong_at[k + 1]="$1"
+  done
+  return 0
+}
 weak_cmd=(vllm serve "$WEAK_MODEL" --served-model-name weak --host "$HOST" --port "$WEAK_PORT"
   --gpu-memory-utilization "$WEAK_MEM" --max-model-len "$WEAK_MAX_MODEL_LEN"
   --max-num-seqs "$WEAK_MAX_NUM_SEQS" --enable-prefix-caching --generation-config vllm)
@@ -302,7 +357,7 @@ if [[ "$LAYOUT" == multi-node ]]; then
   n=${#hosts[@]}
   strong_urls=""; weak_urls=""
   for h in "${hosts[@]}"; do
-    strong_urls+="${strong_urls:+,}http://$h:$STRONG_PORT/v1"
+    for port in "${strong_ports[@]}"; do strong_urls+="${strong_urls:+,}http://$h:$port/v1"; done
     weak_urls+="${weak_urls:+,}http://$h:$WEAK_PORT/v1"
   done
   echo "# multi-node, option 1: one independent server pair per node (simplest; the client spreads calls)"
@@ -316,6 +371,11 @@ if [[ "$LAYOUT" == multi-node ]]; then
   echo "#   --weak-url $weak_urls"
   echo "# multi-node, option 2: one strong server spanning the nodes with vLLM's data parallelism"
   echo "# ($STRONG_DP replicas per node, $((STRONG_DP * n)) in all; the head node serves the API)"
+  if ! gpt_oss_ranks_ok $((STRONG_DP * n * STRONG_TP)); then
+    echo "# warning: vLLM's gpt-oss needs data x tensor parallel ranks to divide its MoE width 2880;"
+    echo "# $((STRONG_DP * n * STRONG_TP)) do not, so this option fails to load it (give --strong-gpus / --strong-tp"
+    echo "# whose product over the nodes divides 2880, or use option 1)"
+  fi
   dp_common=(--data-parallel-size "$((STRONG_DP * n))" --data-parallel-size-local "$STRONG_DP"
     --data-parallel-address "$head" --data-parallel-rpc-port 13345)
   echo "# head node (${hosts[0]}):"
@@ -358,14 +418,24 @@ if is_gated "$STRONG_MODEL" || is_gated "$WEAK_MODEL"; then
   fi
 fi
 
+ph="$(probe_host)"
+strong_urls=""
+for port in "${strong_ports[@]}"; do strong_urls+="${strong_urls:+,}http://$ph:$port/v1"; done
 if (( DRY_RUN )); then
-  ph="$(probe_host)"
   echo "# layout $LAYOUT: strong $STRONG_MODEL, weak $WEAK_MODEL; logs and PIDs in ${RUN_DIR#"$PWD"/}"
-  show "$STRONG_GPUS" "${strong_cmd[@]}"
-  echo "# wait until GET http://$ph:$STRONG_PORT/health is 200 and /v1/models lists 'strong' (timeout ${WAIT_TIMEOUT}s)"
+  for r in "${!strong_roles[@]}"; do
+    strong_cmd_at "${strong_ports[r]}"
+    show "${strong_role_gpus[r]}" "${strong_at[@]}"
+  done
+  if (( ${#strong_ports[@]} == 1 )); then
+    echo "# wait until GET http://$ph:$STRONG_PORT/health is 200 and /v1/models lists 'strong' (timeout ${WAIT_TIMEOUT}s)"
+  else
+    echo "# wait until GET /health is 200 and /v1/models lists 'strong' on each of ports" \
+         "${strong_ports[0]}-${strong_ports[-1]} of $ph (timeout ${WAIT_TIMEOUT}s each)"
+  fi
   show "$WEAK_GPUS" "${weak_cmd[@]}"
   echo "# wait until GET http://$ph:$WEAK_PORT/health is 200 and /v1/models lists 'weak' (timeout ${WAIT_TIMEOUT}s)"
-  echo "# client: --strong-url http://$ph:$STRONG_PORT/v1 --weak-url http://$ph:$WEAK_PORT/v1"
+  echo "# client: --strong-url $strong_urls --weak-url http://$ph:$WEAK_PORT/v1"
   exit 0
 fi
 
@@ -374,8 +444,27 @@ fi
 
 command -v vllm >/dev/null 2>&1 || die "the 'vllm' command is not installed here (pip install -e .[serve] on a CUDA machine)"
 command -v curl >/dev/null 2>&1 || die "curl is needed to wait for the servers"
+if command -v nvidia-smi >/dev/null 2>&1 && [[ "$STRONG_MODEL" == *gpt-oss-120b* ]]; then
+  # ~61 GiB of MXFP4 weights and ~2 GiB of overhead must fit in each replica's share of its GPUs
+  for r in "${!strong_roles[@]}"; do
+    total=0
+    IFS=, read -r -a replica_gpus <<<"${strong_role_gpus[r]}"
+    for g in "${replica_gpus[@]}"; do
+      mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$g" 2>/dev/null | head -n 1 | tr -dc 0-9)"
+      [[ -n "$mib" ]] || { total=""; break; }
+      total=$((total + mib))
+    done
+    [[ -n "$total" ]] || continue  # nvidia-smi could not say: vLLM will
+    share=$(awk -v t="$total" -v f="$STRONG_MEM" 'BEGIN { printf "%d", t * f }')
+    if (( share < 64512 )); then
+      die "GPU(s) ${strong_role_gpus[r]} have $((total / 1024)) GiB; $STRONG_MEM of them ($((share / 1024)) GiB)" \
+          "cannot hold $STRONG_MODEL (~61 GiB of weights and ~2 GiB of overhead): use a 141 GB GPU," \
+          "--layout node8, or --strong-tp 2"
+    fi
+  done
+fi
 mkdir -p "$RUN_DIR"
-for role in strong weak; do
+for role in "${strong_roles[@]}" weak; do
   if pid="$(running_pid "$role")"; then
     die "a $role server started from $RUN_DIR is already running (pid $pid); run '$0 stop' first"
   fi
@@ -385,8 +474,8 @@ STARTED=()
 cleanup() {
   trap - INT TERM
   note "stopping"
-  local role
-  for role in weak strong; do stop_role "$role"; done
+  local k
+  for ((k = ${#STARTED[@]} - 1; k >= 0; k--)); do stop_role "${STARTED[k]}"; done  # weak first
 }
 trap 'cleanup; exit 130' INT TERM
 
@@ -412,8 +501,8 @@ models_lists() {  # host port name: does GET /v1/models list the served name?
   grep -Eq "\"id\"[[:space:]]*:[[:space:]]*\"$3\"" <<<"$reply"
 }
 
-wait_ready() {  # role port
-  local role="$1" port="$2" host pid code waited=0
+wait_ready() {  # role port [served name: the role's]
+  local role="$1" port="$2" name="${3:-$1}" host pid code waited=0
   host="$(probe_host)"
   pid="$(<"$(pid_file "$role")")"
   note "waiting for the $role server on http://$host:$port (timeout ${WAIT_TIMEOUT}s; log $RUN_DIR/$role.log)"
@@ -424,7 +513,7 @@ wait_ready() {  # role port
       die "the $role server exited during start-up (log: $RUN_DIR/$role.log)"
     fi
     code="$(curl -s -o /dev/null -m 5 -w '%{http_code}' "http://$host:$port/health" 2>/dev/null || true)"
-    if [[ "$code" == 200 ]] && models_lists "$host" "$port" "$role"; then
+    if [[ "$code" == 200 ]] && models_lists "$host" "$port" "$name"; then
       note "$role server ready: http://$host:$port/v1"
       return 0
     fi
@@ -435,13 +524,15 @@ wait_ready() {  # role port
   die "the $role server was not ready after ${WAIT_TIMEOUT}s (log: $RUN_DIR/$role.log)"
 }
 
-launch strong "$STRONG_GPUS" "${strong_cmd[@]}"
-wait_ready strong "$STRONG_PORT"
+for r in "${!strong_roles[@]}"; do  # replicas on their own GPUs start together
+  strong_cmd_at "${strong_ports[r]}"
+  launch "${strong_roles[r]}" "${strong_role_gpus[r]}" "${strong_at[@]}"
+done
+for r in "${!strong_roles[@]}"; do wait_ready "${strong_roles[r]}" "${strong_ports[r]}" strong; done
 launch weak "$WEAK_GPUS" "${weak_cmd[@]}"
 wait_ready weak "$WEAK_PORT"
 
-ph="$(probe_host)"
-echo "both servers ready; live client: --strong-url http://$ph:$STRONG_PORT/v1 --weak-url http://$ph:$WEAK_PORT/v1"
+echo "both servers ready; live client: --strong-url $strong_urls --weak-url http://$ph:$WEAK_PORT/v1"
 if (( DETACH )); then
   echo "detached; stop them with: $0 stop --run-dir $RUN_DIR"
   trap - INT TERM
@@ -449,7 +540,7 @@ if (( DETACH )); then
 fi
 echo "Ctrl-C stops both servers"
 while true; do
-  for role in strong weak; do
+  for role in "${STARTED[@]}"; do
     if ! running_pid "$role" >/dev/null; then
       note "the $role server stopped (log: $RUN_DIR/$role.log)"
       cleanup

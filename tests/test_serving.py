@@ -82,13 +82,39 @@ def test_one_gpu_layout(tmp_path):
 
 
 def test_node8_layout():
+    # one independent strong server per GPU (vLLM's data parallelism of 7 fails for gpt-oss, whose
+    # MoE width 2880 must divide data x tensor parallel ranks), the weak port past theirs
     result = run_script("--layout", "node8", "--dry-run", env={"HF_TOKEN": HF_SECRET})
+    assert result.returncode == 0, result.stderr
+    *strong, weak = serve_lines(result.stdout)
+    assert len(strong) == 7
+    for gpu, line in enumerate(strong):
+        assert line.startswith(
+            f"CUDA_VISIBLE_DEVICES={gpu} vllm serve openai/gpt-oss-120b --served-model-name strong"
+        )
+        assert f"--port {8000 + gpu} " in line and "--data-parallel-size" not in line
+    assert weak.startswith("CUDA_VISIBLE_DEVICES=7 vllm serve meta-llama/Llama-3.2-1B-Instruct")
+    assert "--port 8007 " in weak and "--data-parallel-size" not in weak
+    urls = ",".join(f"http://127.0.0.1:{8000 + k}/v1" for k in range(7))
+    assert f"# client: --strong-url {urls} --weak-url http://127.0.0.1:8007/v1" in result.stdout
+    assert "warning" not in result.stderr
+
+
+def test_node8_with_vllms_data_parallelism_warns_for_gpt_oss():
+    result = run_script("--layout", "node8", "--strong-dp", "vllm", "--dry-run", env={"HF_TOKEN": HF_SECRET})
     assert result.returncode == 0, result.stderr
     strong, weak = serve_lines(result.stdout)
     assert strong.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6 vllm serve openai/gpt-oss-120b")
-    assert strong.endswith("--data-parallel-size 7")
-    assert weak.startswith("CUDA_VISIBLE_DEVICES=7 vllm serve meta-llama/Llama-3.2-1B-Instruct")
-    assert "--data-parallel-size" not in weak
+    assert strong.endswith("--data-parallel-size 7") and "--port 8001 " in weak
+    assert "7 ranks: vLLM's gpt-oss needs the ranks to divide 2880" in result.stderr
+    six = run_script("--layout", "node8", "--strong-dp", "vllm", "--strong-gpus", "0,1,2,3,4,5", "--dry-run",
+                     env={"HF_TOKEN": HF_SECRET})  # fmt: skip
+    assert serve_lines(six.stdout)[0].endswith("--data-parallel-size 6") and "warning" not in six.stderr
+    taken = run_script("--layout", "node8", "--weak-port", "8003", "--dry-run", env={"HF_TOKEN": HF_SECRET})
+    assert (
+        taken.returncode == 2
+        and "the weak port 8003 is one of the strong replicas' ports (8000-8006)" in taken.stderr
+    )
 
 
 def test_multi_node_hints():
@@ -96,8 +122,10 @@ def test_multi_node_hints():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "--layout node8 --host 0.0.0.0" in out
-    assert "--strong-url http://gpu-a:8000/v1,http://gpu-b:8000/v1" in out
-    assert "--weak-url http://gpu-a:8001/v1,http://gpu-b:8001/v1" in out
+    per_node = [f"http://{h}:{8000 + k}/v1" for h in ("gpu-a", "gpu-b") for k in range(7)]
+    assert f"--strong-url {','.join(per_node)}\n" in out
+    assert "--weak-url http://gpu-a:8007/v1,http://gpu-b:8007/v1" in out
+    assert "14 do not, so this option fails to load it" in out  # option 2's 14 ranks, for gpt-oss
     head, worker, weak = serve_lines(out)
     assert "--data-parallel-size 14 --data-parallel-size-local 7 --data-parallel-address gpu-a" in head
     assert "--host 0.0.0.0" in head and "--served-model-name strong" in head
@@ -112,7 +140,8 @@ def test_multi_node_commands_carry_the_settings_given():
     per_node = [line for line in result.stdout.splitlines() if line.startswith("serving/vllm_pair.sh")]
     flags = "--strong-tp 2 --strong-port 9000 --strong-model my/model --pair A"
     assert per_node == [f"serving/vllm_pair.sh --layout node8 --host 0.0.0.0 {flags}"]
-    assert "--strong-url http://gpu-a:9000/v1,http://gpu-b:9000/v1" in result.stdout
+    urls = ",".join(f"http://{h}:{9000 + k}/v1" for h in ("gpu-a", "gpu-b") for k in range(3))
+    assert f"--strong-url {urls}\n" in result.stdout  # 3 replicas of 2 GPUs per node
     head, worker, _ = serve_lines(result.stdout)
     assert "--tensor-parallel-size 2" in head and "--tensor-parallel-size 2" in worker  # one engine shape
 
@@ -134,9 +163,12 @@ def test_pairs_models_ports_and_env():
         "--weak-port=8100",
         env={"HF_TOKEN": HF_SECRET},
     )
-    strong, weak = serve_lines(result.stdout)
-    assert strong.startswith("CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 vllm serve meta-llama/Llama-3.3-70B-Instruct")
-    assert "--tensor-parallel-size 2 --data-parallel-size 3" in strong and "--port 8100" in weak
+    *strong, weak = serve_lines(result.stdout)
+    for k, line in enumerate(strong):  # 3 replicas of 2 GPUs
+        gpus = f"{2 * k},{2 * k + 1}"
+        assert line.startswith(f"CUDA_VISIBLE_DEVICES={gpus} vllm serve meta-llama/Llama-3.3-70B-Instruct")
+        assert f"--port {8000 + k} " in line and line.endswith("--tensor-parallel-size 2")
+    assert len(strong) == 3 and "--port 8100" in weak
     result = run_script(
         "--strong-model",
         "/models/mine",
@@ -390,3 +422,48 @@ def test_server_that_dies_during_start_up_is_reported(fake_vllm):
     result = run_script(*args, env=env, timeout=60)
     assert result.returncode == 2
     assert "strong server exited during start-up" in result.stderr and "CUDA out of memory" in result.stderr
+
+
+def test_node8_replicas_start_wait_and_stop_together(fake_vllm):
+    env, _args, record, _ports, run_dir = fake_vllm
+    strong0, weak = free_ports(2)
+    args = ["--layout", "node8", "--strong-gpus", "0,1", "--weak-gpus", "2", "--run-dir", str(run_dir),
+            "--strong-port", str(strong0), "--weak-port", str(weak)]  # fmt: skip
+    if answers(strong0 + 1):
+        pytest.skip(f"port {strong0 + 1} is taken")
+    result = run_script(*args, "--detach", env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    starts = [
+        (e["name"], e["cuda"], e["argv"][e["argv"].index("--port") + 1])
+        for e in events(record)
+        if e["event"] == "start"
+    ]
+    assert starts == [
+        ("strong", "0", str(strong0)),
+        ("strong", "1", str(strong0 + 1)),
+        ("weak", "2", str(weak)),
+    ]
+    urls = f"http://127.0.0.1:{strong0}/v1,http://127.0.0.1:{strong0 + 1}/v1"
+    assert f"live client: --strong-url {urls} --weak-url http://127.0.0.1:{weak}/v1" in result.stdout
+    assert all(answers(port) for port in (strong0, strong0 + 1, weak))
+    status = run_script("status", "--run-dir", str(run_dir), env=env)
+    assert [line.split(":")[0] for line in status.stdout.splitlines()] == ["strong-1", "strong-2", "weak"]
+    assert all(": running" in line for line in status.stdout.splitlines())
+    assert run_script("stop", "--run-dir", str(run_dir), env=env, timeout=60).returncode == 0
+    deadline = time.monotonic() + 10
+    while any(answers(p) for p in (strong0, strong0 + 1, weak)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(answers(p) for p in (strong0, strong0 + 1, weak)) and not list(run_dir.glob("*.pid"))
+
+
+def test_gpt_oss_on_a_gpu_too_small_for_its_share_is_refused(fake_vllm):
+    env, args, record, _ports, _run_dir = fake_vllm
+    smi = Path(env["PATH"].split(":")[0]) / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\n")  # an 80 GB H100, as nvidia-smi reports it in MiB
+    smi.chmod(0o755)
+    result = run_script(*args, env=env, timeout=60)
+    assert result.returncode == 2 and not record.exists()
+    assert "GPU(s) 0 have 79 GiB; 0.77 of them (61 GiB) cannot hold openai/gpt-oss-120b" in result.stderr
+    smi.write_text("#!/bin/sh\necho 143771\n")  # a 141 GB H200
+    result = run_script(*args, "--detach", env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
