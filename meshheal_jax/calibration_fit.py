@@ -225,7 +225,10 @@ def base_docs(
         path = folder / f"{name}.toml"
         if not path.exists():
             raise MeshHealError(f"model file {path} not found (the {pair} pair's {role} model)")
-        docs[role] = tomllib.loads(path.read_text())
+        try:
+            docs[role] = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise MeshHealError(f"cannot parse model parameter file {path}: {err}") from None
     return docs
 
 
@@ -351,9 +354,43 @@ def utilities(n: int) -> np.ndarray:
     return raw / raw.sum() - 1.0 / n
 
 
+def check_search(cfg: FitConfig) -> None:
+    """The search settings a fit can run with, before anything is evaluated or written."""
+    if cfg.population < 2 or cfg.population % 2:
+        raise MeshHealError(f"--population must be even and >= 2 (mirrored sampling), got {cfg.population}")
+    if cfg.generations < 0:
+        raise MeshHealError(f"--generations must be >= 0, got {cfg.generations}")
+    for name in ("sigma", "difficulty_sigma"):
+        if not 0 < getattr(cfg, name) < math.inf:
+            raise MeshHealError(
+                f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(cfg, name)}"
+            )
+    if not cfg.fit_seeds or len(set(cfg.fit_seeds)) != len(cfg.fit_seeds):
+        raise MeshHealError(f"--fit-seeds must be one or more distinct seeds, got {list(cfg.fit_seeds)}")
+
+
+def _read_state(state_file: Path) -> dict:
+    """A search's state.json, or a one-line error naming what is wrong with it."""
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MeshHealError(
+            f"{state_file} cannot be read ({type(err).__name__}): use another --out"
+        ) from None
+    keys = ("config", "rng", "mean", "sigma", "generation", "best")
+    if (
+        not isinstance(state, dict)
+        or not all(k in state for k in keys)
+        or not isinstance(state["config"], dict)
+    ):
+        raise MeshHealError(
+            f"{state_file} is not a search's state (it needs {', '.join(keys)}): use another --out"
+        )
+    return state
+
+
 def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dict], float]:
-    if cfg.population % 2:
-        raise ValueError("population must be even (mirrored sampling)")
+    check_search(cfg)
     base, knobs = base_docs(cfg.pair, start=cfg.start), knobs_for(cfg.pair, cfg.structure)
     dim = sum(k.size for k in knobs)
     origin = encode(base, knobs)
@@ -370,7 +407,7 @@ def fit(cfg: FitConfig, evaluator: Evaluator) -> tuple[dict[str, dict], list[dic
               "search_seed": cfg.search_seed, "pair": cfg.pair, "prior": cfg.prior,
               "start": str(cfg.start.resolve()) if cfg.start else None, "knobs": [k.name for k in knobs]}  # fmt: skip
     if state_file.exists():
-        state = json.loads(state_file.read_text())
+        state = _read_state(state_file)
         if state["config"] != config:
             old = state["config"]
             if "start" not in old:
@@ -513,6 +550,7 @@ def command_line(cfg: FitConfig) -> str:
 
 
 def body(cfg: FitConfig) -> None:
+    check_search(cfg)
     evaluator = Evaluator(cfg.fit_seeds, pair=cfg.pair)
     if cfg.scans():
         result = scan_structure(cfg, evaluator)

@@ -1,6 +1,7 @@
 """The calibration report on the default files, and the fit's knobs."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import polars as pl
 import pytest
 
 from meshheal_jax import calibration_fit as fit
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import (
     PAIRS,
     ModelFileWarning,
@@ -275,3 +277,34 @@ def test_a_rounded_row_never_holds_a_negative_probability():
     fit.sharpen_round2(doc)
     assert min(doc["round2"]["weak_author"]["wrong"]) >= 0.0
     parse_model(doc, "weak", "weak.toml")  # sums to 1 within 1e-6, nothing negative
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(population=3), "--population must be even and >= 2"),
+        (dict(population=0), "--population must be even and >= 2"),
+        (dict(fit_seeds=()), "--fit-seeds must be one or more distinct seeds, got []"),
+        (dict(fit_seeds=(100, 100)), "--fit-seeds must be one or more distinct seeds, got [100, 100]"),
+        (dict(generations=-1), "--generations must be >= 0, got -1"),
+        (dict(sigma=float("nan")), "--sigma must be a finite number > 0, got nan"),
+    ],
+)
+def test_a_fit_with_settings_it_cannot_run_is_refused_before_anything(settings, message, tmp_path):
+    with pytest.raises(MeshHealError, match=re.escape(message)):
+        fit.body(fit.FitConfig(out=tmp_path / "fit", **{"pair": "B", **settings}))
+    assert not (tmp_path / "fit").exists()
+
+
+@pytest.mark.parametrize("text", ["{bad", "", "[]", "{}", '{"config": {}, "mean": []}'])
+def test_a_damaged_search_state_is_named(text, tmp_path):
+    (tmp_path / "state.json").write_text(text)
+    config = fit.FitConfig(out=tmp_path, pair="B", population=2, fit_seeds=(100,), generations=1)
+    with pytest.raises(MeshHealError, match="state.json (cannot be read|is not a search's state)"):
+        fit.fit(config, fit.Evaluator(config.fit_seeds, pair="B"))
+
+
+def test_a_start_folder_with_a_damaged_model_file_is_named(tmp_path):
+    (tmp_path / "llama-3.3-70b.toml").write_text("scalars = [unclosed")
+    with pytest.raises(MeshHealError, match=r"cannot parse model parameter file .*llama-3\.3-70b\.toml"):
+        fit.base_docs("B", start=tmp_path)
