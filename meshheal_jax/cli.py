@@ -280,17 +280,21 @@ def _terminate(signum, frame) -> None:
 
 
 def entrypoint(config_type: type, body: Callable, description: str, stopped: str = STOPPED) -> None:
-    """Parse flags, run body(config); the project's warnings print one line each. A MeshHealError
-    (bad input) prints one line and exits with status 2; an OSError (a folder that cannot be made,
-    a full disk) one line naming the file, status 1; running out of memory one line, status 1;
-    Ctrl-C or SIGTERM one line saying what is kept (`stopped`: by default what an experiment's run
-    folder keeps), status 130 or 143."""
+    """Parse flags, run body(config), as `guarded` runs it."""
+    guarded(lambda: body(tyro.cli(config_type, description=description)), stopped)
+
+
+def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
+    """Run main() (a command: flags parsed inside it) with the project's exits. Its warnings print one
+    line each. A MeshHealError (bad input) prints one line and exits with status 2; an OSError (a
+    folder that cannot be made, a full disk) one line naming the file, status 1; running out of
+    memory one line, status 1; Ctrl-C or SIGTERM one line saying what is kept (`stopped`: by
+    default what an experiment's run folder keeps), status 130 or 143."""
     warnings.formatwarning = _warning_line
     main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        config = tyro.cli(config_type, description=description)
-        body(config)
+        main()
     except MeshHealError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -79,16 +79,22 @@ def _read_json(path: Path, what: str) -> dict:
     return doc
 
 
-def _read_table(run_dir: Path, name: str) -> pl.DataFrame:
+def read_table(run_dir: Path, name: str, columns: tuple[str, ...] = ()) -> pl.DataFrame:
+    """A finished run's table, or a one-line error: missing (an unfinished run), unreadable, or
+    without the `columns` the caller reads."""
     path = run_dir / f"{name}.parquet"
     if not path.is_file():
         raise MeshHealError(
             f"{run_dir} has no {name}.parquet (the run did not finish; re-run its command to resume)"
         )
     try:
-        return pl.read_parquet(path)
+        frame = pl.read_parquet(path)
     except (pl.exceptions.PolarsError, OSError) as err:
         raise MeshHealError(f"{path} is not a readable parquet file: {type(err).__name__}") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise MeshHealError(f"{path} lacks the columns {missing} (not a {name} table?)")
+    return frame
 
 
 def load_run(run_dir: Path | str) -> RunFolder:
@@ -110,6 +116,8 @@ def load_run(run_dir: Path | str) -> RunFolder:
         raise MeshHealError(
             f"{run_dir} is not a run folder (config.json has no {runner.RUN_MARKER!r} marker)"
         )
+    if not isinstance(config.get("experiment"), dict):
+        raise MeshHealError(f"{run_dir / 'config.json'} is damaged: its 'experiment' is not an object")
     summary = _read_json(run_dir / "summary.json", "the run did not finish; re-run its command to resume")
     name = str(config.get("experiment", {}).get("name") or summary.get("experiment"))
     needs_records = name == "recovery"
@@ -117,9 +125,9 @@ def load_run(run_dir: Path | str) -> RunFolder:
         path=run_dir,
         config=config,
         summary=summary,
-        tasks=_read_table(run_dir, "tasks"),
-        reviews=_read_table(run_dir, "reviews") if needs_records else None,
-        states=_read_table(run_dir, "states") if needs_records else None,
+        tasks=read_table(run_dir, "tasks"),
+        reviews=read_table(run_dir, "reviews") if needs_records else None,
+        states=read_table(run_dir, "states") if needs_records else None,
     )
 
 

@@ -19,14 +19,15 @@ Written to compare the detector's window settings (`--protocol.window-reset`, de
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
 from meshheal_jax import metrics
-from meshheal_jax.report import experiment_from_config
+from meshheal_jax.cli import guarded
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.report import experiment_from_config, load_run, read_table
 from meshheal_jax.streams import HealthSchedule
 
 MAX_CELLS = 5_000_000  # tasks x agents per stream: the state matrix holds one string per cell
@@ -87,14 +88,22 @@ def main() -> None:
         "run_dir", type=Path, help="a main or recovery run folder, or an ablate run's OUT/<variant>"
     )
     args = ap.parse_args()
-    config = json.loads((args.run_dir / "config.json").read_text())["experiment"]
-    exp = experiment_from_config(config)
+    run = load_run(args.run_dir)  # a finished run folder, or a one-line error
+    if run.experiment.get("name") == "sweep":  # its grid points would be pooled as one stream
+        raise MeshHealError(
+            f"{args.run_dir} is a sweep run: give a main or recovery run, or an ablate run's OUT/<variant>"
+        )
+    exp = experiment_from_config(run.experiment)
     if exp.n_agents * exp.n_tasks > MAX_CELLS:
-        raise SystemExit(f"{args.run_dir}: {exp.n_agents} agents x {exp.n_tasks} tasks is too large for a state "
-                         f"matrix per stream (at most {MAX_CELLS:,} cells)")  # fmt: skip
-    frames = [pl.read_parquet(args.run_dir / f"{name}.parquet") for name in ("states", "tasks", "reviews")]
+        raise MeshHealError(f"{args.run_dir}: {exp.n_agents} agents x {exp.n_tasks} tasks is too large for a state "
+                            f"matrix per stream (at most {MAX_CELLS:,} cells)")  # fmt: skip
+    columns = {"states": ("dataset", "pair", "seed", "agent", "t", "from", "to"),
+               "tasks": ("dataset", "pair", "seed", "t", "answered"), "reviews": ("dataset", "pair", "probe", "z")}  # fmt: skip
+    frames = [read_table(args.run_dir, name, cols) for name, cols in columns.items()]
     if "method" in frames[1].columns:
         frames = [df.filter(pl.col("method") == "meshheal") for df in frames]
+    if not frames[1].height:
+        raise MeshHealError(f"{args.run_dir} holds no MeshHeal streams (methods {list(exp.methods)})")
     rows = []
     for (dataset, pair), _ in frames[1].group_by("dataset", "pair", maintain_order=True):
         states, tasks, reviews = (df.filter((pl.col("dataset") == dataset) & (pl.col("pair") == pair))
@@ -107,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main, stopped="stopped")

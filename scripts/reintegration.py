@@ -17,13 +17,14 @@ baseline: how often a well-scored output of a healthy agent reads as a shortfall
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import polars as pl
 
+from meshheal_jax.cli import guarded
 from meshheal_jax.config import ProtocolParams
-from meshheal_jax.report import experiment_from_config
+from meshheal_jax.errors import MeshHealError
+from meshheal_jax.report import experiment_from_config, load_run, read_table
 
 
 def good_output_z(rows: pl.DataFrame, p: ProtocolParams) -> dict:
@@ -73,12 +74,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="a `python -m meshheal_jax.recovery` run folder")
     args = ap.parse_args()
-    config = json.loads((args.run_dir / "config.json").read_text())["experiment"]
-    if config.get("name") != "recovery":
-        raise SystemExit(f"{args.run_dir} is not a recovery run (its experiment is {config.get('name')!r})")
-    exp = experiment_from_config(config)
-    frames = [pl.read_parquet(args.run_dir / f"{name}.parquet").filter(pl.col("method") == "meshheal")
-              for name in ("reviews", "tasks", "states")]  # fmt: skip
+    run = load_run(args.run_dir)  # a finished run folder, or a one-line error
+    if run.experiment.get("name") != "recovery":
+        raise MeshHealError(
+            f"{args.run_dir} is not a recovery run (its experiment is {run.experiment.get('name')!r})"
+        )
+    exp = experiment_from_config(run.experiment)
+    columns = {"reviews": ("method", "seed", "t", "visit", "author", "ability", "q", "z"),
+               "tasks": ("method", "seed", "t", "task_type"), "states": ("method", "agent", "t", "to")}  # fmt: skip
+    frames = [
+        read_table(args.run_dir, name, cols).filter(pl.col("method") == "meshheal")
+        for name, cols in columns.items()
+    ]
+    if not frames[1].height:
+        raise MeshHealError(f"{args.run_dir} holds no MeshHeal streams (methods {list(exp.methods)})")
     table = reintegration(
         *frames, exp.schedule().intervals, exp.protocol, exp.protocol.warmup_tasks(exp.n_agents)
     )
@@ -87,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main, stopped="stopped")

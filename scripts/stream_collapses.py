@@ -13,7 +13,10 @@ from pathlib import Path
 
 import polars as pl
 
+from meshheal_jax.cli import guarded
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import LABELS
+from meshheal_jax.report import read_table
 
 
 def collapses(tasks: pl.DataFrame, answered: float, accuracy: float) -> pl.DataFrame:
@@ -45,14 +48,13 @@ def main() -> None:
     parser.add_argument("--answered", type=float, default=0.95)
     parser.add_argument("--accuracy", type=float, default=0.7)
     args = parser.parse_args()
-    path = args.run_dir / "tasks.parquet"
-    if not path.exists():
-        raise SystemExit(f"{path}: no tasks table (is {args.run_dir} a run folder?)")
-    tasks = pl.read_parquet(path)
+    if not args.run_dir.is_dir():
+        raise MeshHealError(f"{args.run_dir} is not a run folder")
+    tasks = read_table(args.run_dir, "tasks", ("phase", "answered", "correct"))
     table = collapses(tasks, args.answered, args.accuracy)
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True):
         print(table)
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main, stopped="stopped")

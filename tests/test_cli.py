@@ -752,3 +752,42 @@ def test_commands_over_arms_refuse_the_arms_own_protocol_flag(command, flag, val
         == f"error: this command runs each of --{flag}s in turn: it takes --{flag}s, not --protocol.{flag}"
     )
     assert not out.exists()
+
+
+def script(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(repo / "scripts" / f"{name}.py"), *args], check=False,
+                          capture_output=True, text=True, cwd=cwd, timeout=120)  # fmt: skip
+
+
+def test_the_scripts_name_a_bad_run_folder_in_one_line(main_run, tmp_path):
+    proc, out = main_run
+    assert proc.returncode == 0, proc.stderr
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    assert script("isolation_episodes", str(copy), cwd=tmp_path).returncode == 0  # a main run is read
+    assert script("stream_collapses", str(copy), cwd=tmp_path).returncode == 0
+    cases = [
+        ("reintegration", copy, "is not a recovery run (its experiment is 'main')"),
+        ("reintegration", tmp_path / "nowhere", "does not exist"),
+        ("isolation_episodes", tmp_path / "nowhere", "does not exist"),
+        ("stream_collapses", tmp_path / "nowhere", "is not a run folder"),
+    ]
+    for name, folder, message in cases:
+        result = script(name, str(folder), cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, (
+            name,
+            result.stderr,
+        )
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(
+        json.dumps({**config, "experiment": {**config["experiment"], "name": "sweep"}})
+    )
+    result = script("isolation_episodes", str(copy), cwd=tmp_path)  # its grid points would be pooled
+    assert result.returncode == 2 and "is a sweep run" in result.stderr
+    (copy / "tasks.parquet").write_text("garbage")
+    for name in ("isolation_episodes", "stream_collapses"):
+        result = script(name, str(copy), cwd=tmp_path)
+        assert result.returncode == 2 and "tasks.parquet is not a readable parquet file" in result.stderr, (
+            result.stderr
+        )
