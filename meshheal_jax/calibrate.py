@@ -183,9 +183,13 @@ def read_experiment(run_dir: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text()).get("experiment") or {}
-    except json.JSONDecodeError:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise MeshHealError(f"{path} is not valid JSON") from None
+    experiment = doc.get("experiment") if isinstance(doc, dict) else None
+    if not isinstance(experiment, (dict, type(None))) or not isinstance(doc, dict):
+        raise MeshHealError(f"{path} is not a run's config.json (its experiment is not an object)")
+    return experiment or {}
 
 
 def model_map(experiment: dict, pairs: Sequence[str], base_dir: Path) -> pl.DataFrame:
@@ -1168,9 +1172,11 @@ def roundtrip(out: Path, dataset: str = "bbh", seeds: Sequence[int] = tuple(rang
         raise MeshHealError(f"round-trip folder {out} exists and is not empty; choose a new --out")
     started = time.perf_counter()
     changes = perturbation(dataset)
-    true_dir = write_params(out / "true-params", changes)
     exp = runner.Experiment(name="main", datasets=(dataset,), pairs=("default",), seeds=tuple(seeds),
-                            n_tasks=n_tasks, params_dir=true_dir)  # fmt: skip
+                            n_tasks=n_tasks)  # fmt: skip
+    exp.validate()  # seeds, tasks, dataset: before anything is written (a refused --out stays empty)
+    true_dir = write_params(out / "true-params", changes)
+    exp = dataclasses.replace(exp, params_dir=true_dir)
     traced = runner.run(exp, out / "traced", progress=progress)
     result, _ = calibrate(
         [out / "traced"], out / "fitted", n_boot=n_boot, seed=seed, min_n=min_n, level=level
@@ -1242,8 +1248,16 @@ def roundtrip_coverage(out: Path, repeats: int, dataset: str = "bbh", seeds_per:
     for k in range(repeats):
         rep_dir, seeds = out / f"rep-{k}", list(range(k * seeds_per, (k + 1) * seeds_per))
         done = rep_dir / "roundtrip.json"
+        report = None
         if done.exists():
-            report = json.loads(done.read_text())
+            try:
+                report = json.loads(done.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                pass
+            if not isinstance(report, dict):
+                print(f"{done}: unreadable, the round trip is redone")
+                report = None
+        if report is not None:
             wanted = {**settings, "seeds": seeds}
             differ = {key: (report.get(key), v) for key, v in wanted.items() if report.get(key) != v}
             if differ:
@@ -1333,7 +1347,9 @@ def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed
                                 "--no-check fits without the check)") from None  # fmt: skip
         traced = read_table(run_dir, "tasks").filter(pl.col("method") == "meshheal")
         phase_names = exp.phases()[1]
-        out.append({"run": str(run_dir), "twin": str(folder / str(k)), "experiment": exp.name,
+        streams = traced.select(STREAM[1:]).unique().height  # one stream: every interval has width 0
+        out.append({"run": str(run_dir), "twin": str(folder / str(k)), "experiment": exp.name, "streams": streams,
+                    "undetermined": streams < 2,
                     "aggregates": compare_runs(traced, twin.tasks, n_boot, seed, level, phase_names)})  # fmt: skip
     doc_path = Path(twin_dir) / "calibration.json"
     doc = json.loads(doc_path.read_text())
@@ -1359,8 +1375,12 @@ def print_twin_check(check: list[dict], level: float) -> None:
         print_aggregates(c["aggregates"], f"Twin check: {c['run']} vs its configuration emulated with the fitted "
                          f"files ({c['twin']}; intervals: bootstrap over streams)", level)  # fmt: skip
         off = [a["quantity"] for a in c["aggregates"] if not (a["inside"] and a["consistent"])]
-        print(f"not reproduced within the intervals: {', '.join(off)}" if off else
-              "every quantity reproduced within its interval")  # fmt: skip
+        if c.get("undetermined"):
+            print(f"undetermined: {c['run']} holds one stream, and the intervals are over streams (each has width 0); "
+                  "trace two seeds or more for the check")  # fmt: skip
+        else:
+            print(f"not reproduced within the intervals: {', '.join(off)}" if off else
+                  "every quantity reproduced within its interval")  # fmt: skip
 
 
 def print_roundtrip(report: dict) -> None:
@@ -1474,8 +1494,14 @@ def body(cfg: CalibrateConfig) -> None:
     print(f"fitted files and calibration.json: {cfg.out} (use it as --params-dir {cfg.out})")
 
 
+STOPPED_CALIBRATE = (
+    "stopped: the same command resumes a fit from run folders or a coverage study "
+    "(--roundtrip-repeats) in its --out; a single --roundtrip reruns into a new --out"
+)
+
+
 def cli() -> None:
-    entrypoint(CalibrateConfig, body, __doc__, "stopped (a --roundtrip reruns into a new --out)")
+    entrypoint(CalibrateConfig, body, __doc__, STOPPED_CALIBRATE)
 
 
 if __name__ == "__main__":

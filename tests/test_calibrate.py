@@ -118,7 +118,11 @@ def test_twin_check_emulates_the_traced_configuration(trip, tmp_path, capsys):
     assert check[0]["aggregates"] == report["aggregates"]
     assert json.loads((fitted / "calibration.json").read_text())["twin_check"] == check
     C.print_twin_check(check, 0.95)
-    assert "Twin check" in capsys.readouterr().out
+    assert "Twin check" in capsys.readouterr().out and check[0]["streams"] == len(SEEDS) > 1
+    one = [{**check[0], "streams": 1, "undetermined": True}]  # one traced stream: intervals of width 0
+    C.print_twin_check(one, 0.95)
+    said = capsys.readouterr().out
+    assert "undetermined: " in said and "holds one stream" in said and "not reproduced" not in said
     bare = tmp_path / "no-config"
     bare.mkdir()
     shutil.copy(out / "traced" / "tasks.parquet", bare)
@@ -289,6 +293,18 @@ def test_other_bad_input(trip, tmp_path):
     with pytest.raises(MeshHealError, match="--min-n must be >= 0"):  # a round trip, before it writes
         C.roundtrip(tmp_path / "trip", min_n=-1)
     assert not (tmp_path / "trip").exists()
+    for bad, message in (
+        (dict(seeds=()), "no seeds given"),
+        (dict(n_tasks=50), "multiple of 42, got 50"),
+        (dict(dataset="foo"), "foo"),
+    ):
+        with pytest.raises(MeshHealError, match=message):  # the experiment too, before anything is written
+            C.roundtrip(tmp_path / "trip", **bad)
+        assert not (tmp_path / "trip").exists()
+    (tmp_path / "list-config").mkdir()
+    (tmp_path / "list-config" / "config.json").write_text("[]")
+    with pytest.raises(MeshHealError, match="is not a run's config.json"):
+        C.read_experiment(tmp_path / "list-config")
 
 
 def test_coverage_study_pools_round_trips_and_resumes(tmp_path, monkeypatch, capsys):
@@ -313,6 +329,13 @@ def test_coverage_study_pools_round_trips_and_resumes(tmp_path, monkeypatch, cap
     monkeypatch.setattr(C, "roundtrip", lambda d, *a, **k: redone.append(d.name) or real(d, *a, **k))
     assert C.roundtrip_coverage(out, 2, **settings) == coverage
     assert redone == ["rep-1"] and "rep-1: unfinished round trip, redone" in capsys.readouterr().out
+    (out / "rep-1" / "roundtrip.json").write_text("{bad")  # a damaged report: that round trip redone
+    redone.clear()
+    assert C.roundtrip_coverage(out, 2, **settings) == coverage
+    assert (
+        redone == ["rep-1"]
+        and "roundtrip.json: unreadable, the round trip is redone" in capsys.readouterr().out
+    )
     with pytest.raises(MeshHealError, match=r"other settings .*'n_tasks': \(252, 504\)"):
         C.roundtrip_coverage(out, 2, **{**settings, "n_tasks": 504})
     with pytest.raises(MeshHealError, match="at least 2"):
