@@ -21,9 +21,9 @@ combination (e.g. alpha > beta). Unswept values come from `--protocol.*`.
 
 Output: a run folder (config.json; tasks/reviews/states parquet with `grid_point` and one column
 per swept parameter; summary.json with one entry per grid point and dataset), a printed table
-per dataset with one row per grid point, `tradeoff.png` (`tradeoff-<dataset>.png` for each of several datasets; detection delay vs
-false isolations) and,
-for two swept parameters, `grid_maps.png` (heat maps of delay, false isolations, accuracy, tokens).
+per dataset with one row per grid point, `tradeoff.png` (detection delay vs false isolations; with
+several datasets one `tradeoff-<dataset>.png` each) and, for two swept parameters, `grid_maps.png`
+(heat maps of delay, false isolations, accuracy, tokens).
 """
 
 from __future__ import annotations
