@@ -1072,6 +1072,8 @@ def calibrate(run_dirs: Sequence[Path], out: Path, base_dir: Path | None = None,
         raise MeshHealError(f"run folders must be distinct, got {[str(d) for d in run_dirs]}")
     if (Path(out) / "config.json").exists():
         raise MeshHealError(f"--out {out} is a run folder; write the twin to a folder of its own")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise MeshHealError(f"--out {out} exists and is not a folder")
     base_dir = Path(base_dir) if base_dir is not None else MODEL_DIR
     if not base_dir.is_dir():
         raise MeshHealError(f"--base-params-dir {base_dir} is not a folder")

@@ -365,6 +365,8 @@ def check_search(cfg: FitConfig) -> None:
             raise MeshHealError(
                 f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(cfg, name)}"
             )
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise MeshHealError(f"--out {cfg.out} exists and is not a folder")
     if not cfg.fit_seeds or len(set(cfg.fit_seeds)) != len(cfg.fit_seeds):
         raise MeshHealError(f"--fit-seeds must be one or more distinct seeds, got {list(cfg.fit_seeds)}")
 

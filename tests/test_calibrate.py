@@ -290,6 +290,9 @@ def test_other_bad_input(trip, tmp_path):
         C.calibrate([out / "traced"], tmp_path / "fit", min_n=-1)
     with pytest.raises(MeshHealError, match="is a run folder"):
         C.calibrate([out / "traced"], out / "traced")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(MeshHealError, match="a-file exists and is not a folder"):
+        C.calibrate([out / "traced"], tmp_path / "a-file")
     with pytest.raises(MeshHealError, match="--min-n must be >= 0"):  # a round trip, before it writes
         C.roundtrip(tmp_path / "trip", min_n=-1)
     assert not (tmp_path / "trip").exists()

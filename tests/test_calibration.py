@@ -308,3 +308,9 @@ def test_a_start_folder_with_a_damaged_model_file_is_named(tmp_path):
     (tmp_path / "llama-3.3-70b.toml").write_text("scalars = [unclosed")
     with pytest.raises(MeshHealError, match=r"cannot parse model parameter file .*llama-3\.3-70b\.toml"):
         fit.base_docs("B", start=tmp_path)
+
+
+def test_a_fit_into_a_file_is_refused_before_anything(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(MeshHealError, match="--out .*a-file exists and is not a folder"):
+        fit.body(fit.FitConfig(out=tmp_path / "a-file", pair="B"))
