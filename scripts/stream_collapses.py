@@ -14,9 +14,8 @@ from pathlib import Path
 import polars as pl
 
 from meshheal_jax.cli import guarded
-from meshheal_jax.errors import MeshHealError
 from meshheal_jax.metrics import LABELS
-from meshheal_jax.report import read_table
+from meshheal_jax.report import load_run, read_table
 
 
 def collapses(tasks: pl.DataFrame, answered: float, accuracy: float) -> pl.DataFrame:
@@ -48,8 +47,7 @@ def main() -> None:
     parser.add_argument("--answered", type=float, default=0.95)
     parser.add_argument("--accuracy", type=float, default=0.7)
     args = parser.parse_args()
-    if not args.run_dir.is_dir():
-        raise MeshHealError(f"{args.run_dir} is not a run folder")
+    load_run(args.run_dir)  # a finished run folder (a sweep's too), or a one-line error
     tasks = read_table(args.run_dir, "tasks", ("phase", "answered", "correct"))
     table = collapses(tasks, args.answered, args.accuracy)
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True):

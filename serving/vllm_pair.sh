@@ -247,7 +247,6 @@ for pair in "strong port:$STRONG_PORT" "weak port:$WEAK_PORT" "strong tp:$STRONG
             "wait-timeout:$WAIT_TIMEOUT" "wait interval:$WAIT_INTERVAL" "nodes:$NODES"; do
   is_uint "${pair#*:}" && (( ${pair#*:} > 0 )) || die "${pair%%:*} must be a positive integer, got '${pair#*:}'"
 done
-(( STRONG_PORT != WEAK_PORT )) || die "the strong and weak servers need different ports (both $STRONG_PORT)"
 is_gpu_list "$STRONG_GPUS" || die "strong GPUs must be a list like 0,1,2, got '$STRONG_GPUS'"
 is_gpu_list "$WEAK_GPUS" || die "weak GPUs must be a list like 7, got '$WEAK_GPUS'"
 is_fraction "$STRONG_MEM" || die "strong memory fraction must be in (0, 1), got '$STRONG_MEM'"
@@ -281,13 +280,19 @@ if [[ "$STRONG_DP_MODE" == replicas ]] && (( STRONG_DP > 1 )); then
     WEAK_PORT=$((STRONG_PORT + STRONG_DP))
   fi
 fi
+(( STRONG_PORT != WEAK_PORT )) || die "the strong and weak servers need different ports (both $STRONG_PORT)"
+for port in "${strong_ports[@]}" "$WEAK_PORT"; do
+  (( port <= 65535 )) || die "port $port is past 65535 (the strong replicas take --strong-port and the ports after it)"
+done
 # vLLM's gpt-oss asserts that its MoE intermediate size (2880) divides the torch world size, which
 # under --data-parallel-size is data x tensor parallel ranks (vllm model_executor/models/gpt_oss.py)
 gpt_oss_ranks_ok() { [[ "$STRONG_MODEL" != *gpt-oss* ]] || (( 2880 % $1 == 0 )); }
-if [[ "$STRONG_DP_MODE" == vllm ]] && (( STRONG_DP > 1 )) && ! gpt_oss_ranks_ok $((STRONG_DP * STRONG_TP)); then
-  note "warning: $STRONG_MODEL with --data-parallel-size $STRONG_DP x tensor parallel $STRONG_TP ="\
-       "$((STRONG_DP * STRONG_TP)) ranks: vLLM's gpt-oss needs the ranks to divide 2880 and will fail to load;"\
-       "use --strong-dp replicas (the default), or GPUs / --strong-tp whose product divides 2880"
+server_ranks=$STRONG_TP  # the torch world size of one strong server
+[[ "$STRONG_DP_MODE" == vllm ]] && server_ranks=$((STRONG_DP * STRONG_TP))
+if ! gpt_oss_ranks_ok "$server_ranks"; then
+  note "warning: $STRONG_MODEL on $server_ranks ranks per server (data x tensor parallel): vLLM's gpt-oss"\
+       "needs the ranks to divide 2880 and will fail to load; give --strong-gpus / --strong-tp / --strong-dp"\
+       "so that they do (replicas of tensor parallel 1, 2 or 4 do)"
 fi
 
 # Two servers sharing a GPU must leave room for each other (the sum near 0.92).
@@ -450,7 +455,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && [[ "$STRONG_MODEL" == *gpt-oss-120b*
     total=0
     IFS=, read -r -a replica_gpus <<<"${strong_role_gpus[r]}"
     for g in "${replica_gpus[@]}"; do
-      mib="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$g" 2>/dev/null | head -n 1 | tr -dc 0-9)"
+      mib="$( (nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "$g" 2>/dev/null || true) \
+        | head -n 1 | tr -dc 0-9)"
       [[ -n "$mib" ]] || { total=""; break; }
       total=$((total + mib))
     done
@@ -459,12 +465,13 @@ if command -v nvidia-smi >/dev/null 2>&1 && [[ "$STRONG_MODEL" == *gpt-oss-120b*
     if (( share < 64512 )); then
       die "GPU(s) ${strong_role_gpus[r]} have $((total / 1024)) GiB; $STRONG_MEM of them ($((share / 1024)) GiB)" \
           "cannot hold $STRONG_MODEL (~61 GiB of weights and ~2 GiB of overhead): use a 141 GB GPU," \
-          "--layout node8, or --strong-tp 2"
+          "--layout node8, or two GPUs per replica (--strong-gpus 0,1 --strong-tp 2)"
     fi
   done
 fi
 mkdir -p "$RUN_DIR"
-for role in "${strong_roles[@]}" weak; do
+mapfile -t recorded < <(recorded_roles)  # this layout's roles, and any another layout left running
+for role in "${strong_roles[@]}" weak "${recorded[@]}"; do
   if pid="$(running_pid "$role")"; then
     die "a $role server started from $RUN_DIR is already running (pid $pid); run '$0 stop' first"
   fi

@@ -858,6 +858,7 @@ def test_requests_on_the_wire_equal_the_sdks_typed_call():
         (b"[" * 3000, "application/json"),  # deeper than json's recursion allows
         (b'{"id": ' + b"9" * 5000 + b"}", "application/json"),  # past int()'s 4,300 digits
         (b'{"choices": []}', "application/json"),  # no reply at all
+        (b'{"choices": "\xff"}', "application/json"),  # not UTF-8
         (  # a choice the server failed to finish
             b'{"choices": [{"index": 0, "message": {"content": "RESULT: (C)"}, "finish_reason": "abort"}]}',
             "application/json",

@@ -318,6 +318,15 @@ def test_mmlu_pro_quoting_an_option_reads_as_that_option():
     assert single >= (10 if SHARED_DATA.is_dir() else 0)
 
 
+def test_a_one_letter_option_outside_the_letters_is_read_as_its_text():
+    options = ("G1 phase", "G2 phase", "M phase", "S")  # "S" (phase) is no letter of A-D
+    assert scoring.option_letter("S", options, letters="ABCD") == "D"
+    assert (
+        scoring.option_letter("B", ("x", "y", "B"), letters="ABC") == "B"
+    )  # a letter of the question stays one
+    assert judge("mmlu_pro", "RESULT: s", "D", options).correct
+
+
 def test_mmlu_pro_option_text_and_unparsable():
     rec = next(r for r in data.load_sample("mmlu_pro") if r.uid == "qid:3983")
     assert rec.gold == "C" and rec.options[2] == "N—H"

@@ -852,14 +852,11 @@ class LiveClient:
                         "/chat/completions", cast_to=object, body=body, options=self._post_options
                     )
                     payload = _payload(reply, time.monotonic() - started)
-                # a 200 body labelled JSON that is not JSON, or is past json's limits (~1,000 levels
-                # deep, 4,300-digit integers); any other ValueError (a message that cannot be
-                # encoded) is this side's, raised as it is
+                # a 200 body labelled JSON that is not JSON (or not UTF-8), or is past json's limits
+                # (~1,000 levels deep, 4,300-digit integers); a message this side cannot encode is
+                # raised as it is: no server ever saw it
                 except (RecursionError, ValueError) as err:
-                    json_limit = isinstance(
-                        err, (json.JSONDecodeError, RecursionError)
-                    ) or "integer string" in str(err)
-                    if not json_limit:
+                    if isinstance(err, UnicodeEncodeError):
                         raise
                     last_error = (
                         f"HTTP 200 with a body that is not valid JSON ({type(err).__name__}: {_short(err)})"
