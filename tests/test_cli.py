@@ -771,7 +771,7 @@ def test_the_scripts_name_a_bad_run_folder_in_one_line(main_run, tmp_path):
         ("reintegration", copy, "is not a recovery run (its experiment is 'main')"),
         ("reintegration", tmp_path / "nowhere", "does not exist"),
         ("isolation_episodes", tmp_path / "nowhere", "does not exist"),
-        ("stream_collapses", tmp_path / "nowhere", "is not a run folder"),
+        ("stream_collapses", tmp_path / "nowhere", "does not exist"),
     ]
     for name, folder, message in cases:
         result = script(name, str(folder), cwd=tmp_path)
