@@ -470,7 +470,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && [[ "$STRONG_MODEL" == *gpt-oss-120b*
   done
 fi
 mkdir -p "$RUN_DIR"
-mapfile -t recorded < <(recorded_roles)  # this layout's roles, and any another layout left running
+mapfile -t recorded < <(recorded_roles)  # this layout's roles, and any other layout's left running
 for role in "${strong_roles[@]}" weak "${recorded[@]}"; do
   if pid="$(running_pid "$role")"; then
     die "a $role server started from $RUN_DIR is already running (pid $pid); run '$0 stop' first"
