@@ -492,8 +492,10 @@ def _seed_flags(seeds: Sequence[int]) -> list[str]:
     return ["--seed-list", *map(str, seeds)]
 
 
-def _common_flags(exp: dict, pair: str) -> list[str]:
-    flags = [*_seed_flags(exp.get("seeds", [0])), "--pair", pair]
+def _common_flags(exp: dict, pair: str | None, arm_field: str | None = None) -> list[str]:
+    """The flags every experiment shares; `pair` None leaves --pair out (detectors takes --pairs),
+    and `arm_field` is the protocol field the command's arm flag sets (ablate's variant)."""
+    flags = [*_seed_flags(exp.get("seeds", [0]))] + (["--pair", pair] if pair is not None else [])
     if exp.get("name") in ("main", "recovery") and exp.get("methods"):
         flags += ["--methods", *exp["methods"]]
     for key, flag in (("engine", "--engine"), ("slots", "--slots")):
@@ -504,7 +506,7 @@ def _common_flags(exp: dict, pair: str) -> list[str]:
             flags += [flag, str(exp[key])]
     defaults = dataclasses.asdict(ProtocolParams())
     for key, value in (exp.get("protocol") or {}).items():
-        if key in defaults and value != defaults[key]:
+        if key in defaults and value != defaults[key] and key != arm_field:
             flags += [f"--protocol.{key.replace('_', '-')}", str(value)]
     return flags + _backend_flags(exp)
 
@@ -580,13 +582,33 @@ def reproduce_commands(config: dict, run_dir: Path | None = None, show_seed: int
                     str(exp.get("n_tasks", 630)),
                 ]
                 commands.append(shlex.join([*module.split(), *flags]))
-    else:  # other experiments: the shared flags, plus the network size and graph of a scaling run
+    elif name in ("ablate", "detectors"):  # this arm's folder: the command run for this arm alone
+        arm, field = ("--variants", "variant") if name == "ablate" else ("--detectors", "detector")
+        value = (exp.get("protocol") or {}).get(field, dataclasses.asdict(ProtocolParams())[field])
+        pairs = exp.get("pairs", ["default"])
+        per_command = [[pair] for pair in pairs] if name == "ablate" else [pairs]  # detectors: --pairs
+        for chosen in per_command:
+            flags = _common_flags(exp, chosen[0] if name == "ablate" else None, field)
+            if name == "detectors":
+                flags += ["--pairs", *chosen]
+            flags += ["--dataset", *exp.get("datasets", ["bbh"])[:1], "--tasks", str(exp.get("n_tasks", 504))]
+            if exp.get("degraded"):
+                flags += ["--degraded", *map(str, exp["degraded"])]
+            commands.append(shlex.join([*module.split(), *flags, arm, str(value)]))
+    else:  # scale (this topology's folder) and others: the shared flags, the network and its data
         for pair in exp.get("pairs", ["default"]):
             flags = _common_flags(exp, pair)
             if name == "scale" and "n_agents" in exp:
-                flags += ["--agents", str(exp["n_agents"])]
+                flags += ["--agents", str(exp["n_agents"]), "--dataset", *exp.get("datasets", ["bbh"])[:1]]
                 if exp.get("sparse") or exp.get("topology") == "sparse":
                     flags.append("--sparse")
+                if exp.get("topology") == "file" and exp.get("edges_file"):
+                    flags += ["--edges", str(exp["edges_file"])]
+                if exp.get("graph_seed", 0) != 0:
+                    flags += ["--graph-seed", str(exp["graph_seed"])]
+                tables = list(exp.get("tables") or runner.TABLES)
+                if tables != list(runner.TABLES):
+                    flags += ["--tables", *tables]
             commands.append(shlex.join([*module.split(), *flags]))
     live = exp.get("live") or {}
     served = {role: live.get(f"{role}_served_name") for role in ("strong", "weak")}

@@ -158,9 +158,42 @@ def test_reproduce_commands_carry_protocol_changes_and_argv():
     assert commands[1].startswith("python -m meshheal_jax.recovery --seed-list 4 7 --pair B ")
     assert commands[-1] == "python -m meshheal_jax.report runs/x"
     scale = report.reproduce_commands({"experiment": {"name": "scale", "n_agents": 96, "topology": "sparse"}})
-    assert scale[0].startswith("python -m meshheal_jax.scale") and scale[0].endswith("--agents 96 --sparse")
+    assert scale[0].startswith("python -m meshheal_jax.scale") and scale[0].endswith("--agents 96 --dataset bbh --sparse")
     given = report.reproduce_commands({"experiment": {"name": "sweep"}, "argv": ["--alpha", "1", "2"]})
     assert given[0] == "python -m meshheal_jax.sweep --alpha 1 2"
+
+
+@pytest.mark.parametrize(
+    "command, args, arm",
+    [
+        ("ablate", ["--seeds", "2", "--tasks", "84", "--dataset", "math", "--protocol.alpha", "1.1"], "no_takeover"),
+        ("detectors", ["--seed-list", "3", "5", "--pairs", "A", "B", "--degraded", "1", "3"], "cusum"),
+        ("scale", ["--agents", "12", "--sparse", "--graph-seed", "7", "--dataset", "math", "--tables", "tasks", "states"],
+         "sparse"),
+    ],
+)  # fmt: skip
+def test_an_arms_reproduce_command_runs_that_arm_again(command, args, arm):
+    """The report of an arm's folder (ablate / detectors: a variant or detector; scale: a topology)
+    gives the command that makes the same experiment again: parsed back by the command's own flags
+    and built by its own `experiment`, it equals the arm's, settings and all."""
+    import importlib
+    import shlex
+
+    import tyro
+
+    module = importlib.import_module(f"meshheal_jax.{command}")
+    config_type = {"ablate": "AblateConfig", "detectors": "DetectorsConfig", "scale": "ScaleConfig"}[command]
+    original = module.experiment(tyro.cli(getattr(module, config_type), args=args), arm)
+    commands = report.reproduce_commands({"experiment": original.to_json()})
+    assert len(commands) == 2  # the arm's command, then the report's
+    words = shlex.split(commands[0])
+    assert words[:3] == ["python", "-m", f"meshheal_jax.{command}"]
+    again = tyro.cli(getattr(module, config_type), args=words[3:])
+    arms = {"ablate": again.variants if command == "ablate" else None}.get(command) or (
+        again.detectors if command == "detectors" else (arm,)
+    )
+    assert list(arms) == [arm]
+    assert module.experiment(again, arm).to_json() == original.to_json()
 
 
 def test_reproduce_commands_carry_the_backend_and_where_questions_come_from():
