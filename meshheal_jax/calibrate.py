@@ -1422,7 +1422,9 @@ class CalibrateConfig:
     run_dirs: tyro.conf.Positional[tuple[Path, ...]] = ()
     """run folders whose traces to fit (calls / reviews / tasks .parquet and config.json)"""
     out: Path | None = None
-    """folder for the fitted files and calibration.json (use it as --params-dir); required"""
+    """folder for the fitted files and calibration.json (use it as --params-dir); required for a fit
+    from run folders (a --roundtrip defaults to runs/calibrate-roundtrip, a coverage study to
+    runs/calibrate-coverage)"""
     bootstrap: int = 200
     """bootstrap replicates (resampling tasks within each stream)"""
     seed: int = 0

@@ -158,7 +158,9 @@ def test_reproduce_commands_carry_protocol_changes_and_argv():
     assert commands[1].startswith("python -m meshheal_jax.recovery --seed-list 4 7 --pair B ")
     assert commands[-1] == "python -m meshheal_jax.report runs/x"
     scale = report.reproduce_commands({"experiment": {"name": "scale", "n_agents": 96, "topology": "sparse"}})
-    assert scale[0].startswith("python -m meshheal_jax.scale") and scale[0].endswith("--agents 96 --dataset bbh --sparse")
+    assert scale[0].startswith("python -m meshheal_jax.scale") and scale[0].endswith(
+        "--agents 96 --dataset bbh --sparse"
+    )
     given = report.reproduce_commands({"experiment": {"name": "sweep"}, "argv": ["--alpha", "1", "2"]})
     assert given[0] == "python -m meshheal_jax.sweep --alpha 1 2"
 
