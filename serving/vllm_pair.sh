@@ -263,6 +263,11 @@ if (( used < ${#strong_gpu_list[@]} )); then
   STRONG_GPUS="$(IFS=,; echo "${strong_gpu_list[*]:0:$used}")"
 fi
 WEAK_TP=${#weak_gpu_list[@]}
+# vLLM splits attention heads over tensor-parallel ranks: the pairs' weak models have 32 (Llama-3.2-1B)
+# and 8 (gemma-3-4b) query heads, 8 and 4 key-value heads (vLLM replicates key-value heads past
+# that), so 1, 2, 4 or 8 GPUs serve both
+(( 8 % WEAK_TP == 0 )) || note "warning: the weak server on $WEAK_TP GPUs ($WEAK_GPUS): vLLM needs the tensor" \
+  "parallel size to divide the model's attention heads, which 1, 2, 4 or 8 GPUs do for the pairs' weak models"
 
 # The strong servers: one (one replica, or --strong-dp vllm) or one per replica, each on its own
 # TP-sized slice of the strong GPUs and its own port; the weak port moves past theirs unless given.

@@ -473,3 +473,15 @@ def test_gpt_oss_on_a_gpu_too_small_for_its_share_is_refused(fake_vllm):
     smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")  # no answer: vLLM will say
     result = run_script(*args, "--detach", env=env, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_weak_tensor_parallel_size_that_splits_no_head_count_is_warned_of():
+    three = run_script("--layout", "node8", "--strong-gpus", "0,1,2,3,4", "--weak-gpus", "5,6,7", "--dry-run",
+                       env={"HF_TOKEN": HF_SECRET})  # fmt: skip
+    assert (
+        three.returncode == 0 and "the weak server on 3 GPUs (5,6,7): vLLM needs the tensor" in three.stderr
+    )
+    assert serve_lines(three.stdout)[-1].endswith("--tensor-parallel-size 3")
+    two = run_script("--layout", "node8", "--strong-gpus", "0,1,2,3,4,5", "--weak-gpus", "6,7", "--dry-run",
+                     env={"HF_TOKEN": HF_SECRET})  # fmt: skip
+    assert two.returncode == 0 and "warning" not in two.stderr
