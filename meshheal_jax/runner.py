@@ -665,8 +665,10 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(before) | set(now)):
         a, b = before.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += differences(a, b, f"{prefix}{key}.")
+        if isinstance(a, dict) and isinstance(b, dict | None) or isinstance(b, dict) and a is None:
+            out += differences(
+                a or {}, b or {}, f"{prefix}{key}."
+            )  # live settings given only once: name them
         elif a != b:
             out.append(f"{prefix}{key}")
     return out

@@ -298,6 +298,10 @@ def test_rerun_with_another_configuration_is_refused(main_run, tmp_path):
     lines = other.stderr.strip().splitlines()
     assert len(lines) == 1 and "different configuration" in lines[0]
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # left as it was
+    sample = cli("main", *BASE_ARGS, "--data", "sample", "--out", str(out), cwd=tmp_path)
+    assert sample.returncode == 2 and "(live.data, live.reasoning_effort differ)" in sample.stderr, (
+        sample.stderr
+    )
 
 
 def test_emulated_run_with_data_counts_real_question_tokens(main_run, tmp_path):

@@ -163,7 +163,9 @@ def test_a_folder_from_before_live_was_recorded_resumes(tmp_path):
     del config["experiment"]["live"]
     (out / "config.json").write_text(json.dumps(config))
     assert runner.prepare_run_dir(EXP, out) == out
-    with pytest.raises(MeshHealError, match=r"different configuration \(live differ\)"):
+    with pytest.raises(
+        MeshHealError, match=r"different configuration \(live.data, live.reasoning_effort differ\)"
+    ):
         runner.prepare_run_dir(dataclasses.replace(EXP, live=runner.LiveSettings((), (), data="sample")), out)
 
 
