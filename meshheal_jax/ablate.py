@@ -69,10 +69,7 @@ def run_all(
     (runner.check_arms; `arm_flag`: the command's flag that names its keys)."""
     runner.check_lanes(lanes)
     runner.check_arms(out, list(experiments), arm_flag)
-    for key, exp in experiments.items():  # every configuration and arm folder checked before anything runs
-        exp = runner.with_recorded_commits(exp, out / key)  # (a resume reads its recorded commits)
-        exp.validate()
-        runner.check_run_dir(exp, out / key)
+    runner.check_arm_folders(out, experiments)
     out.mkdir(parents=True, exist_ok=True)
     entries, first = [], None
     for key, exp in experiments.items():

@@ -186,10 +186,10 @@ def read_experiment(run_dir: Path) -> dict:
         doc = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise MeshHealError(f"{path} is not valid JSON") from None
-    experiment = doc.get("experiment") if isinstance(doc, dict) else None
-    if not isinstance(experiment, (dict, type(None))) or not isinstance(doc, dict):
+    experiment = doc.get("experiment") or {} if isinstance(doc, dict) else None
+    if not isinstance(experiment, dict):
         raise MeshHealError(f"{path} is not a run's config.json (its experiment is not an object)")
-    return experiment or {}
+    return experiment
 
 
 def model_map(experiment: dict, pairs: Sequence[str], base_dir: Path) -> pl.DataFrame:

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import string
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -186,19 +187,13 @@ def bbh_options(question: str) -> tuple[str, ...] | None:
 
 def _option_target(gold: str, options: tuple[str, ...]) -> str:
     """A lettered question's target as "(X)", BBH's own form, when it is written otherwise: "(a)",
-    one option's text, or a bare "A" (the scorer reads an option target by its letter). Any other
-    target is kept as written, a literal: three upstream rows (movie_recommendation 163,
+    one option's text, or a bare "A", read as the scorer reads an answer (`scoring.option_letter`).
+    Any other target is kept as written, a literal: three upstream rows (movie_recommendation 163,
     ruin_names 99 and 144) have options split wrongly at a comma, so their targets name none."""
-    letter = re.fullmatch(r"\(([A-Za-z])\)", gold)
-    if letter:
-        return f"({letter.group(1).upper()})"
-    wanted = " ".join(gold.split()).casefold()
-    hits = [i for i, option in enumerate(options) if " ".join(option.split()).casefold() == wanted]
-    if len(hits) == 1:
-        return f"({chr(ord('A') + hits[0])})"
-    if re.fullmatch(r"[A-Za-z]", gold):
-        return f"({gold.upper()})"
-    return gold
+    from meshheal_jax.scoring import option_letter  # scoring imports this module
+
+    letter = option_letter(gold, options, letters=string.ascii_uppercase)
+    return f"({letter})" if letter else gold
 
 
 def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:

@@ -97,8 +97,9 @@ def read_table(run_dir: Path, name: str, columns: tuple[str, ...] = ()) -> pl.Da
     return frame
 
 
-def load_run(run_dir: Path | str) -> RunFolder:
-    """Read a run folder; a missing or foreign folder is a MeshHealError naming what is wrong."""
+def read_run_folder(run_dir: Path | str) -> tuple[dict, dict]:
+    """A finished run folder's config.json and summary.json; a missing or foreign folder is a
+    MeshHealError naming what is wrong. Its tables are read by the caller (`read_table`)."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise MeshHealError(f"run folder {run_dir} does not exist")
@@ -119,7 +120,14 @@ def load_run(run_dir: Path | str) -> RunFolder:
     if not isinstance(config.get("experiment"), dict):
         raise MeshHealError(f"{run_dir / 'config.json'} is damaged: its 'experiment' is not an object")
     summary = _read_json(run_dir / "summary.json", "the run did not finish; re-run its command to resume")
-    name = str(config.get("experiment", {}).get("name") or summary.get("experiment"))
+    return config, summary
+
+
+def load_run(run_dir: Path | str) -> RunFolder:
+    """Read a run folder; a missing or foreign folder is a MeshHealError naming what is wrong."""
+    run_dir = Path(run_dir)
+    config, summary = read_run_folder(run_dir)
+    name = str(config["experiment"].get("name") or summary.get("experiment"))
     needs_records = name == "recovery"
     return RunFolder(
         path=run_dir,

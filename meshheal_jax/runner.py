@@ -576,6 +576,16 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
     return previous
 
 
+def check_arm_folders(out: Path, experiments: dict[str, Experiment]) -> None:
+    """A command of several arms (ablate, detectors, scale): every arm's configuration and its folder
+    out/<arm> checked before any arm runs, so a rerun at other settings runs nothing (a resume reads
+    its recorded commits, as `run` does)."""
+    for key, exp in experiments.items():
+        exp = with_recorded_commits(exp, out / key)
+        exp.validate()
+        check_run_dir(exp, out / key)
+
+
 def check_window_memory(
     protocol: ProtocolParams, n_agents: int, shapes: list[tuple[int, int]], streams_per_dataset: int
 ) -> None:
@@ -665,10 +675,8 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(before) | set(now)):
         a, b = before.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict | None) or isinstance(b, dict) and a is None:
-            out += differences(
-                a or {}, b or {}, f"{prefix}{key}."
-            )  # live settings given only once: name them
+        if dict in (type(a), type(b)) and all(isinstance(x, dict | None) for x in (a, b)):
+            out += differences(a or {}, b or {}, f"{prefix}{key}.")  # a table given once: its keys
         elif a != b:
             out.append(f"{prefix}{key}")
     return out

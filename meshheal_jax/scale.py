@@ -114,10 +114,7 @@ def body(cfg: ScaleConfig) -> None:
     arms = topologies(cfg)
     runner.check_arms(out, arms, "--sparse / --compare / --edges")
     experiments = {topology: experiment(cfg, topology) for topology in arms}
-    for topology, exp in experiments.items():  # every arm's folder checked before any arm runs
-        exp = runner.with_recorded_commits(exp, out / topology)  # (as runner.run reads a resume)
-        exp.validate()
-        runner.check_run_dir(exp, out / topology)
+    runner.check_arm_folders(out, experiments)
     for topology, exp in experiments.items():
         start = time.perf_counter()
         run = runner.run(exp, out / topology, progress=not cfg.quiet, **cfg.run_options())

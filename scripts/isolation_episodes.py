@@ -27,7 +27,7 @@ import polars as pl
 from meshheal_jax import metrics
 from meshheal_jax.cli import guarded
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.report import experiment_from_config, load_run, read_table
+from meshheal_jax.report import experiment_from_config, read_run_folder, read_table
 from meshheal_jax.streams import HealthSchedule
 
 MAX_CELLS = 5_000_000  # tasks x agents per stream: the state matrix holds one string per cell
@@ -88,18 +88,18 @@ def main() -> None:
         "run_dir", type=Path, help="a main or recovery run folder, or an ablate run's OUT/<variant>"
     )
     args = ap.parse_args()
-    run = load_run(args.run_dir)  # a finished run folder, or a one-line error
-    if run.experiment.get("name") == "sweep":  # its grid points would be pooled as one stream
-        raise MeshHealError(
-            f"{args.run_dir} is a sweep run: give a main or recovery run, or an ablate run's OUT/<variant>"
-        )
-    exp = experiment_from_config(run.experiment)
+    experiment = read_run_folder(args.run_dir)[0]["experiment"]  # a finished run folder, or a one-line error
+    exp = experiment_from_config(experiment)
     if exp.n_agents * exp.n_tasks > MAX_CELLS:
         raise MeshHealError(f"{args.run_dir}: {exp.n_agents} agents x {exp.n_tasks} tasks is too large for a state "
                             f"matrix per stream (at most {MAX_CELLS:,} cells)")  # fmt: skip
     columns = {"states": ("dataset", "pair", "seed", "agent", "t", "from", "to"),
                "tasks": ("dataset", "pair", "seed", "t", "answered"), "reviews": ("dataset", "pair", "probe", "z")}  # fmt: skip
     frames = [read_table(args.run_dir, name, cols) for name, cols in columns.items()]
+    if experiment.get("name") == "sweep":  # its grid points would be pooled as one stream
+        raise MeshHealError(
+            f"{args.run_dir} is a sweep run: give a main or recovery run, or an ablate run's OUT/<variant>"
+        )
     if "method" in frames[1].columns:
         frames = [df.filter(pl.col("method") == "meshheal") for df in frames]
     if not frames[1].height:

@@ -24,7 +24,7 @@ import polars as pl
 from meshheal_jax.cli import guarded
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.report import experiment_from_config, load_run, read_table
+from meshheal_jax.report import experiment_from_config, read_run_folder, read_table
 
 
 def good_output_z(rows: pl.DataFrame, p: ProtocolParams) -> dict:
@@ -74,12 +74,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="a `python -m meshheal_jax.recovery` run folder")
     args = ap.parse_args()
-    run = load_run(args.run_dir)  # a finished run folder, or a one-line error
-    if run.experiment.get("name") != "recovery":
+    experiment = read_run_folder(args.run_dir)[0]["experiment"]  # a finished run folder, or a one-line error
+    if experiment.get("name") != "recovery":
         raise MeshHealError(
-            f"{args.run_dir} is not a recovery run (its experiment is {run.experiment.get('name')!r})"
+            f"{args.run_dir} is not a recovery run (its experiment is {experiment.get('name')!r})"
         )
-    exp = experiment_from_config(run.experiment)
+    exp = experiment_from_config(experiment)
     columns = {"reviews": ("method", "seed", "t", "visit", "author", "ability", "q", "z"),
                "tasks": ("method", "seed", "t", "task_type"), "states": ("method", "agent", "t", "to")}  # fmt: skip
     frames = [

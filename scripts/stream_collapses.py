@@ -15,7 +15,7 @@ import polars as pl
 
 from meshheal_jax.cli import guarded
 from meshheal_jax.metrics import LABELS
-from meshheal_jax.report import load_run, read_table
+from meshheal_jax.report import read_run_folder, read_table
 
 
 def collapses(tasks: pl.DataFrame, answered: float, accuracy: float) -> pl.DataFrame:
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--answered", type=float, default=0.95)
     parser.add_argument("--accuracy", type=float, default=0.7)
     args = parser.parse_args()
-    load_run(args.run_dir)  # a finished run folder (a sweep's too), or a one-line error
+    read_run_folder(args.run_dir)  # a finished run folder (a sweep's too), or a one-line error
     tasks = read_table(args.run_dir, "tasks", ("phase", "answered", "correct"))
     table = collapses(tasks, args.answered, args.accuracy)
     with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True):
