@@ -77,9 +77,12 @@ def print_summary(summary: dict) -> None:
     pairs = sorted({r["pair"] for r in results})
     n_seeds = len(results[0]["seeds"]) if results else 0
     half = summary["n_tasks"] // 2
+    with_agents = [r for r in results if r.get("agents")]
+    phases = (f"H: tasks 1–{half}, D: tasks {half + 1}–{summary['n_tasks']}" if with_agents
+              else f"no agent degraded: H is all {summary['n_tasks']} tasks, D none")  # fmt: skip
     print(f"Persistent degradation, pair {', '.join(pairs)}: mean ± std over {n_seeds} seeds ({summary['backend']} "
-          f"backend; MeshHeal on the {summary['engine']} engine). H: tasks 1–{half}, D: tasks {half + 1}–"
-          f"{summary['n_tasks']}; D − H paired within seed; calls and tokens (thousands) per task.")  # fmt: skip
+          f"backend; MeshHeal on the {summary['engine']} engine). {phases}; D − H paired within seed; calls "
+          "and tokens (thousands) per task.")  # fmt: skip
     table = new_table(
         "Accuracy, calls and tokens per task",
         "dataset", "method", "acc H", "acc D", "D − H", "calls H", "calls D", "tokens H (k)", "tokens D (k)",
@@ -97,33 +100,39 @@ def print_summary(summary: dict) -> None:
         )  # fmt: skip
     print_table(table)
     print_parse_notes(results)
-    with_agents = [r for r in results if r.get("agents")]
-    if not with_agents:
+    # with no agent degraded, the table still shows the detector's false isolations
+    shown = with_agents or [r for r in results if isolates(r)]
+    if not shown:
         return
-    agents = [(a["agent"], a.get("profile", str(a["agent"]))) for a in with_agents[0]["agents"]]
+    agents = [(a["agent"], a.get("profile", str(a["agent"]))) for a in shown[0].get("agents") or []]
     columns = [f"{p} detection delay" for _, p in agents] + [f"{p} closure" for _, p in agents]
-    print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated (k before "
-          f"onset: k of the n detections were {BEFORE_ONSET}); "
-          f"closure: seeds where it stays isolated to the end; missed (of {len(agents)}), false isolations "
-          "(transitions of healthy agents to isolated) and the distinct agents falsely isolated, per seed.")  # fmt: skip
-    detect = new_table(
-        "Detection per degraded agent",
-        "dataset", "method", *columns, "missed", "false isolations", "falsely isolated agents",
-    )  # fmt: skip
+    false_words = "false isolations (transitions of healthy agents to isolated) and the distinct agents falsely isolated"
+    if agents:
+        print(f"Detection delay: tasks after degradation, mean ± std (min–max) n=seeds where isolated (k before "
+              f"onset: k of the n detections were {BEFORE_ONSET}); closure: seeds where it stays isolated to the "
+              f"end; missed (of {len(agents)}), {false_words}, per seed.")  # fmt: skip
+        detect = new_table("Detection per degraded agent", "dataset", "method", *columns, "missed",
+                           "false isolations", "falsely isolated agents")  # fmt: skip
+    else:
+        print(f"No agent degraded: {false_words}, per seed.")
+        detect = new_table(
+            "False isolations", "dataset", "method", "false isolations", "falsely isolated agents"
+        )
     previous = None
-    for r in with_agents:
+    for r in shown:
         if previous is not None and (r["dataset"], r["pair"]) != previous:
             detect.add_section()
         previous = (r["dataset"], r["pair"])
-        by_agent = {a["agent"]: a for a in r["agents"]}
+        by_agent = {a["agent"]: a for a in r.get("agents") or []}
         detect.add_row(
             r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
             *(detection_text(by_agent[k]) for k, _ in agents),
             *(closure_text(r, by_agent[k]) for k, _ in agents),
-            fmt(r["missed"], 2), fmt(r["false_isolations"], 2), fmt(r["false_isolated_agents"], 2),
+            *([fmt(r["missed"], 2)] if agents else []), fmt(r["false_isolations"], 2),
+            fmt(r["false_isolated_agents"], 2),
         )  # fmt: skip
     print_table(detect)
-    if any(not isolates(r) for r in with_agents):
+    if any(not isolates(r) for r in shown):
         print(f"Baselines have no detector: their degraded agents are {NEVER_ISOLATED} (detection delay null, "
               f"n_defined 0), closure {NOT_ESTABLISHED}, reintegration {UNDEFINED}.")  # fmt: skip
 

@@ -422,7 +422,7 @@ SCALING_KEYS = (  # the keys scaling_plot reads (its docstring); n_agents and to
     "acc_h",
     "acc_d",
     "isolated_degraded",
-    "n_degraded",
+    "degraded",
 )
 _ALIASES = {"acc_h": "acc_healthy", "acc_d": "acc_degraded"}
 
@@ -448,8 +448,8 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
     - `acc_h`, `acc_d`: accuracy in the healthy / degraded phase (`acc_healthy`/`acc_degraded`
       are accepted too);
     - `isolated_degraded`: degraded agents isolated at the end of the stream (count);
-    - `n_degraded` (int): degraded agents (default n_agents // 3), so the plot shows the fraction
-      `isolated_degraded / n_degraded`;
+    - `degraded` (int; `n_degraded` is accepted too): degraded agents (default n_agents // 3), so
+      the plot shows the fraction `isolated_degraded / degraded`;
     - optional `false_isolations`: isolations of healthy agents (transitions to isolated, as
       in summary.json); drawn in a third panel when any entry has it.
     """
@@ -485,7 +485,9 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
                 n, m, yerr=np.nan_to_num(s), ls=ls, marker=marker, label=f"{topology}, {phase} phase", **style
             )
         iso = np.array([_value(e, "isolated_degraded") for e in rows])
-        n_deg = np.array([float(e.get("n_degraded") or int(e["n_agents"]) // 3) for e in rows])
+        n_deg = np.array(
+            [float(e.get("degraded") or e.get("n_degraded") or int(e["n_agents"]) // 3) for e in rows]
+        )
         axes[1].errorbar(
             n, iso[:, 0] / n_deg, yerr=np.nan_to_num(iso[:, 1] / n_deg), marker="o", label=topology, **style
         )

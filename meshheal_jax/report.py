@@ -4,6 +4,8 @@ Reads config.json, summary.json and the parquet tables of a finished run, redraw
 apply to its experiment (recovery: the trajectory of the first seed and per-phase accuracy bars;
 main and others: per-phase accuracy bars; a scaling run: the scaling plot) and writes report.md
 beside them: the summary tables, the figures, the config and the commands that reproduce the run.
+Given a `scale` command's --out (its topologies' folders and the combined summary.json), it writes
+the topologies' table and scaling figure there.
 Experiments call `write_report(run_dir)` at the end of a run.
 """
 
@@ -196,12 +198,12 @@ def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
 
     figures: list[tuple[str, Path]] = []
     exp = run.experiment
-    if run.name == "recovery" and run.reviews is not None and run.states is not None:
+    recovery = run.name == "recovery" and run.reviews is not None and run.states is not None
+    # the trajectory is MeshHeal's (its detector's states); a run of baselines alone has none to draw
+    if recovery and "meshheal" in run.tasks["method"].unique().to_list():
         schedule = experiment_from_config(exp).schedule()
         seed = run.shown_seed
         dataset, pair = exp["datasets"][0], exp["pairs"][0]
-        methods = sorted(run.tasks["method"].unique().to_list())
-        method = "meshheal" if "meshheal" in methods else methods[0]  # the trajectory is MeshHeal's
         path = plots.recovery_trajectory(
             run.reviews,
             run.states,
@@ -212,9 +214,9 @@ def make_plots(run: RunFolder) -> list[tuple[str, Path]]:
             phase_names=_phase_names(run.summary),
             dataset=dataset,
             pair=pair,
-            method=method,
+            method="meshheal",
         )
-        figures.append((f"Recovery trajectory, seed {seed} ({dataset}, pair {pair}, {method})", path))
+        figures.append((f"Recovery trajectory, seed {seed} ({dataset}, pair {pair}, meshheal)", path))
     if run.tasks.height and "phase" in run.tasks.columns:
         path = plots.phase_accuracy_bars(run.tasks, run.path / PHASES_PNG, _phase_names(run.summary))
         figures.append(("Accuracy per phase", path))
@@ -367,6 +369,8 @@ def parse_table(summary: dict) -> str:
 NEVER_ISOLATED = "never isolated"
 NOT_ESTABLISHED = "not established"
 UNDEFINED = "undefined"
+# a MeshHeal agent never isolated in its degraded tasks (it may have been before onset or after restoration)
+NOT_DETECTED = "not isolated while degraded"
 
 
 def isolates(r: dict) -> bool:
@@ -383,10 +387,10 @@ BEFORE_ONSET = (
 
 def detection_text(a: dict) -> str:
     """A degraded agent's detection delay over seeds (mean ± std (min–max) n=seeds where
-    isolated), or never isolated; with how many of those n detections were before onset
+    isolated), or `NOT_DETECTED`; with how many of those n detections were before onset
     (`BEFORE_ONSET`, decisions P5b)."""
     if not a["detection_delay"] or a["detection_delay"].get("n_defined", 0) == 0:
-        return NEVER_ISOLATED
+        return NOT_DETECTED
     onset = a.get("onset_detections", 0)
     return fmt_range(a["detection_delay"]) + (f", {onset} before onset" if onset else "")
 
@@ -430,17 +434,20 @@ def agents_table(summary: dict) -> str:
 
 
 SCALE_COLUMNS = (  # (key, header, digits, scale) in the order the scaling table shows them
-    ("acc_h", "acc H", 3, 1.0),
     ("acc_healthy", "acc H", 3, 1.0),
-    ("acc_d", "acc D", 3, 1.0),
     ("acc_degraded", "acc D", 3, 1.0),
     ("isolated_degraded", "isolated", 1, 1.0),
-    ("n_degraded", "degraded", 0, 1.0),
+    ("degraded", "degraded", 0, 1.0),
+    ("missed", "missed", 1, 1.0),
     ("false_isolations", "false isolations", 2, 1.0),
+    ("false_isolated_agents", "agents falsely isolated", 2, 1.0),
+    ("detection_delay_mean", "detection delay", 1, 1.0),
+    ("onset_detections", "detections before onset", 1, 1.0),
     ("edges", "edges", 0, 1.0),
     ("edge_fraction", "edge fraction", 4, 1.0),
     ("max_ability_distance", "max ability distance", 0, 1.0),
-    ("tokens_per_task", "tokens/task (k)", 1, 1e-3),
+    ("tokens_per_task_healthy", "tokens/task H (k)", 1, 1e-3),
+    ("tokens_per_task_degraded", "tokens/task D (k)", 1, 1e-3),
 )
 
 
@@ -747,10 +754,74 @@ def render(run: RunFolder, figures: list[tuple[str, Path]]) -> str:
     return "\n".join(lines)
 
 
+def scale_root_summary(out: Path) -> dict | None:
+    """The combined summary.json of a `scale` command's --out (its arms' folders beside it), or
+    None where `out` is not one."""
+    if (out / "config.json").exists() or not (out / "summary.json").is_file():
+        return None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("experiment") == "scale" else None
+
+
+def write_scale_report(out: Path, summary: dict) -> Path:
+    """report.md and scaling.png of a `scale` command's --out: its topologies side by side, from
+    the combined summary.json (each arm's folder has its own report: `report <out>/<topology>`)."""
+    from meshheal_jax import plots
+
+    entries = scaling_entries(summary)
+    if not entries:
+        raise MeshHealError(f"{out / 'summary.json'} holds no scale results")
+    figure = plots.scaling_plot(entries, out / SCALING_PNG)
+    arms = [Path(str(r.get("run_dir", ""))).name or str(r["topology"]) for r in summary["results"]]
+    lines = [
+        f"# scale: {', '.join(str(e['topology']) for e in entries)}",
+        "",
+        (
+            f"engine {summary.get('engine', '?')}; backend {summary.get('backend', '?')}; slots {summary.get('slots', '?')}; "
+            f"{summary.get('n_agents', '?')} agents."
+        ),
+        "",
+        (
+            "Numbers are mean ± sample std over seeds; detection delay is the mean over the degraded agents "
+            f"detected; detections before onset: those per seed that were {BEFORE_ONSET}."
+        ),
+        "",
+        "## Network scaling",
+        "",
+        scaling_table(entries),
+        "",
+        "## Figures",
+        "",
+        f"![Network scaling]({figure.relative_to(out).as_posix()})",
+        "",
+        "## Arms",
+        "",
+        (
+            "Each topology's run folder (its config, tables and summary); `python -m meshheal_jax.report "
+            "FOLDER` writes its report, with the command that runs it again:"
+        ),
+        "",
+        *(f"- [`{arm}/`]({arm}/)" for arm in arms),
+        "",
+    ]
+    path = out / REPORT_NAME
+    runner.write_atomic(path, "\n".join(lines))
+    return path
+
+
 def write_report(run_dir: Path | str, show_seed: int | None = None) -> Path:
     """Redraw the run's figures and write report.md in the run folder; returns its path. A sweep's
     run folder gets the sweep's report (`sweep.write_report`: the table per grid point and the
-    trade-off figures). `show_seed`: a recovery run's seed shown (default its first)."""
+    trade-off figures), and a scale command's --out the table and figure of its topologies
+    (`write_scale_report`). `show_seed`: a recovery run's seed shown (default its first)."""
+    scale_root = scale_root_summary(Path(run_dir))
+    if scale_root is not None:
+        if show_seed is not None:
+            raise MeshHealError(f"--show-seed chooses a recovery run's trajectory; {run_dir} is a scale run")
+        return write_scale_report(Path(run_dir), scale_root)
     config_path = Path(run_dir) / "config.json"
     if config_path.is_file():
         try:

@@ -638,7 +638,7 @@ class SweepResult:
 
 def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = None) -> SweepResult:
     """Run the sweep into a new run folder. `argv` (the command-line arguments, when run from the
-    CLI) goes into config.json, so report.md reproduces the command verbatim."""
+    CLI) goes into config.json, so report.md reproduces the command verbatim, less its --out."""
     grid = parse_grid([item for group in cfg.grid for item in group])
     exp = experiment(cfg)
     exp.validate()
@@ -719,8 +719,14 @@ def reproduce_commands(config: dict, run_dir: Path) -> list[str]:
 
     from meshheal_jax import report
 
-    if config.get("argv"):
-        command = ["python", "-m", "meshheal_jax.sweep", *map(str, config["argv"])]
+    if config.get("argv"):  # without its --out: a sweep needs a new folder (the report says to add one)
+        argv, command = list(map(str, config["argv"])), ["python", "-m", "meshheal_jax.sweep"]
+        while argv:
+            arg = argv.pop(0)
+            if arg == "--out":
+                del argv[:1]
+            elif not arg.startswith("--out="):
+                command.append(arg)
     else:
         exp, grid = config.get("experiment", {}), config.get("sweep", {}).get("grid", {})
         command = ["python", "-m", "meshheal_jax.sweep", "--grid",
@@ -765,7 +771,9 @@ def write_report(run_dir: Path | str) -> Path:
         lines += [f"## {dataset}", "", report.md_table(headers, rows), ""]
     for title, path in figures:
         lines += [f"## {title}", "", f"![{title}]({path.name})", ""]
-    lines += ["## Reproduce", "", "```sh", *reproduce_commands(config, run_dir), "```", ""]
+    lines += ["## Reproduce", "", ("Re-run the sweep (a new run folder under `runs/`; add `--out DIR` to choose a new or "
+              "empty one), then regenerate this report:"), "", "```sh", *reproduce_commands(config, run_dir), "```",
+              ""]  # fmt: skip
     lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
     path = run_dir / report.REPORT_NAME
     runner.write_atomic(path, "\n".join(lines))

@@ -152,6 +152,25 @@ def test_main_prints_tables_with_every_method_and_the_words(main_run):
     assert f"results: {out}" in text and f"report: {out / 'report.md'}" in text
 
 
+def test_main_with_no_agent_degraded_says_so_and_prints_the_false_isolations(tmp_path):
+    """--degraded with no agent: H is every task, and the detector's false isolations are still shown."""
+    out = tmp_path / "run"
+    proc = cli("main", "--methods", "meshheal", "--seeds", "1", "--datasets", "bbh", "--tasks", "84",
+               "--engine", "reference", "--degraded", "--protocol.alpha", "0.5", "--out", str(out), "--quiet",
+               cwd=tmp_path)  # fmt: skip  # alpha 0.5: some healthy agent is isolated in 84 tasks
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "no agent degraded: H is all 84 tasks, D none" in proc.stdout and "H: tasks 1–42" not in proc.stdout
+    )
+    (result,) = [
+        r for r in json.loads((out / "summary.json").read_text())["results"] if r["dataset"] == "bbh"
+    ]
+    assert result["false_isolations"]["mean"] > 0  # the case the table must not hide
+    assert "No agent degraded: false isolations" in proc.stdout
+    (line,) = [line for line in proc.stdout.splitlines() if "│ meshheal" in line and "bbh" in line][1:]
+    assert f"{result['false_isolations']['mean']:.2f}" in line
+
+
 def test_resume_reruns_only_the_missing_method_streams(main_run, tmp_path, monkeypatch):
     _, original, summary = main_run
     out = tmp_path / "run"

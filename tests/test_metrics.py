@@ -292,7 +292,7 @@ def test_aggregate_over_seeds():
     assert report.detection_text(a) == "2.5 ± 3.5 (0–5) n=2, 1 before onset"
     assert report.detection_text({**a, "onset_detections": 0}) == "2.5 ± 3.5 (0–5) n=2"
     never = metrics.stat([None, None])
-    assert report.detection_text({"detection_delay": never, "onset_detections": 0}) == report.NEVER_ISOLATED
+    assert report.detection_text({"detection_delay": never, "onset_detections": 0}) == report.NOT_DETECTED
     assert a["reintegration_delay"] == {"mean": None, "std": None, "min": None, "max": None, "n_defined": 0}
     assert out["phases"][0]["acc"]["mean"] == 0.5
     assert out["review_audit"]["committee_rate"]["n_defined"] == 3

@@ -239,7 +239,7 @@ def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
             "n_agents": n,
             "topology": topo,
             "isolated_degraded": {"mean": n / 3 - 1, "std": 0.5},
-            "n_degraded": n // 3,
+            "degraded": n // 3,
             "edges": 3 * n,
         }
         for n in (6, 96, 288)
@@ -250,8 +250,19 @@ def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
     )
     text = report.write_report(run_dir).read_text()
     assert "## Network scaling" in text and "![Network scaling](scaling.png)" in text
-    assert "| agents | topology | acc H | acc D | isolated | degraded |" in text
+    assert "| agents | topology | acc H | acc D | isolated | degraded | missed |" in text
     assert_png(run_dir / "scaling.png")
+
+
+def test_a_recovery_run_without_meshheal_has_no_trajectory(tmp_path):
+    """The trajectory is MeshHeal's detector states; a baseline's run draws the phase bars alone."""
+    exp = runner.Experiment(name="recovery", methods=("raps",), datasets=("math",), pairs=("default",),
+                            seeds=(0,), engine="reference", n_tasks=210)  # fmt: skip
+    run_dir = runner.run(exp, tmp_path / "run", progress=False).run_dir
+    text = report.write_report(run_dir).read_text()
+    assert "Recovery trajectory" not in text and not list(run_dir.glob("trajectory_seed*.png"))
+    assert "![Accuracy per phase](phase_accuracy.png)" in text
+    assert_png(run_dir / "phase_accuracy.png")
 
 
 # ----------------------------------------------------------------------------------------------

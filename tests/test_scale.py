@@ -27,6 +27,7 @@ import scipy.sparse.csgraph
 import tyro
 
 from meshheal_jax import graphs, metrics, runner, scale, topology
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.runner import Experiment
 from meshheal_jax.scale import ScaleConfig
 from meshheal_jax.streams import HealthSchedule, persistent_schedule, recovery_schedule
@@ -190,6 +191,27 @@ def check_result(result: dict, topology_name: str, n_seeds: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # The JAX run: summary, stream length, schedule, slots, printed table
 # ----------------------------------------------------------------------------------------------
+
+
+def test_report_of_the_compare_folder_and_of_an_arm(ref_run, tmp_path):
+    """`report <out>` of a --compare run: the topologies side by side, with the scaling figure; an
+    arm's report shows the columns the command printed."""
+    from meshheal_jax import report
+
+    out = tmp_path / "run"
+    shutil.copytree(ref_run["out"], out)
+    text = report.write_report(out).read_text()
+    header = ("| agents | topology | acc H | acc D | isolated | degraded | missed | false isolations | "
+              "agents falsely isolated | detection delay |")  # fmt: skip
+    assert header in text and "tokens/task H (k) | tokens/task D (k) |" in text
+    rows = [line for line in text.splitlines() if line.startswith(f"| {N_AGENTS} |")]
+    assert [row.split(" | ")[1] for row in rows] == ["complete", "sparse"]
+    assert "![Network scaling](scaling.png)" in text and "- [`sparse/`](sparse/)" in text
+    assert (out / "scaling.png").read_bytes().startswith(b"\x89PNG")
+    arm = report.write_report(out / "sparse").read_text()
+    assert header in arm and "--slots 1 --agents 12 --dataset bbh --sparse" in arm
+    with pytest.raises(MeshHealError, match="--show-seed chooses a recovery run's trajectory"):
+        report.write_report(out, show_seed=0)
 
 
 def test_parent_summary_has_one_result_with_every_key(jax_run):

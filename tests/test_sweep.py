@@ -214,3 +214,11 @@ def test_out_must_be_a_new_or_empty_folder(tmp_path):
     with pytest.raises(MeshHealError, match="exists and is not empty .a sweep does not resume"):
         sweep.prepare_out(tmp_path / "used")
     assert sweep.prepare_out(tmp_path / "new").is_dir() and a_file.read_text() == "precious"
+
+
+def test_the_reproduce_command_leaves_out_the_used_out_folder(tmp_path):
+    """A sweep does not resume: the report's command without --out runs into a new folder."""
+    argv = ["--grid", "alpha=1.0,1.4", "--out", "/runs/a", "--seeds", "2", "--out=/runs/b", "--quiet"]
+    sweep_command, report_command = sweep.reproduce_commands({"argv": argv}, tmp_path)
+    assert sweep_command == "python -m meshheal_jax.sweep --grid alpha=1.0,1.4 --seeds 2 --quiet"
+    assert report_command == f"python -m meshheal_jax.report {tmp_path}"
