@@ -600,3 +600,18 @@ def test_frames_follow_the_column_rules():
         (2, 30, 3, 33), (3, 120, 12, 132)]  # fmt: skip
     assert [(t["task_type"], t["phase"], t["end"], t["unreviewed"]) for t in tasks] == [
         (4, 0, "move budget", 0), (6, 1, "", 0)]  # fmt: skip
+
+
+def test_the_quoted_autogen_corruption_rates_are_the_shipped_files():
+    """decisions B3 and autogen.py quote p_corrupt = 1 - p_keep of each model: a refit must not
+    leave them stale."""
+    import re
+    from pathlib import Path
+
+    pair = load_pair("default")
+    rates = [f"{1 - pair.strong.p_keep:.3f} for gpt-oss-120b", f"{1 - pair.weak.p_keep:.3f} for Llama-3.2-1B"]
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "docs" / "decisions.md", root / "meshheal_jax" / "baselines" / "autogen.py"):
+        text = re.sub(r"\s+", " ", path.read_text())
+        for rate in rates:
+            assert rate in text, (path.name, rate)

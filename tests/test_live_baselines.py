@@ -12,6 +12,7 @@ and the real openai client against the scripted HTTP stand-ins of test_live_loop
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -36,6 +37,7 @@ from meshheal_jax.backends.live_baselines import (
 from meshheal_jax.baselines import BaselineSpec, raps, symphony
 from meshheal_jax.baselines import common as C
 from meshheal_jax.baselines import run as R
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.streams import Stream, make_stream, persistent_schedule
 from meshheal_jax.topology import build_network
 
@@ -289,6 +291,32 @@ def test_symphony_reruns_exactly_when_the_first_votes_are_risky(runs):
     assert reran >= N_TASKS  # every task of the disagreeing run
 
 
+class EmptyOutputs(ScriptedClient):
+    """The scripted client, with every generation (generate, cot) an empty reply."""
+
+    def run_batch(self, requests):
+        out = super().run_batch(requests)
+        for k, r in enumerate(requests):
+            if r.kind in ("generate", "cot"):
+                out[k] = dataclasses.replace(
+                    out[k], texts=("",), parsed=(r.parser.fallback,), parse_status=("failed",)
+                )
+        return out
+
+
+def test_symphony_rewards_an_empty_output_zero():
+    """Reward = clip(1[non-empty output] - 0.2 sqrt(latency_norm), 0, 1): empty replies earn 0,
+    so reputations fall from their start of 0.5 (the emulator's outputs are never empty: 0.8)."""
+    specs = bbh_specs((0,))
+    rewards = {}
+    for name, client in (("text", ScriptedClient()), ("empty", EmptyOutputs())):
+        host = LiveBaselineHost([R._spec(s) for s in specs], RECORDS, client)
+        states, _ = R.simulate("symphony", specs, "default", live=host)
+        rewards[name] = np.asarray(states.reputation[0])
+    assert (rewards["empty"] < 0.5).all() and (rewards["empty"] < rewards["text"]).all()
+    assert (rewards["text"] > 0.5).all()
+
+
 def test_answer_ids_compare_answers_as_the_scorer_does():
     host = LiveBaselineHost(bbh_specs((0,)), RECORDS, ScriptedClient())
     host._execution(0, 1, 0)
@@ -466,6 +494,44 @@ def test_garbage_replies_fall_back_and_are_recorded(tmp_path):
     assert (selects["parse_status"] == "failed").all()  # retried once, then the fallback
     tasks = pl.DataFrame(rows[0]["tasks"], infer_schema_length=None)
     assert tasks.height == N_TASKS and not tasks["correct"].any()  # garbage never states the gold
+
+
+def test_streams_that_share_a_seed_and_dataset_id_run_live():
+    """Profiles of one run may share a dataset_id (decisions R1); the host tells their streams
+    apart by their place in the batch, so each gets its own stream's answers."""
+    one = run_live_baselines("raps", bbh_specs((0,)), "default", ScriptedClient(), RECORDS)
+    twice = run_live_baselines("raps", bbh_specs((0,)) * 2, "default", ScriptedClient(), RECORDS)
+    for frames in twice:
+        for name in ("tasks", "calls"):
+            assert frames[name].equals(one[0][name]), name
+
+
+def test_a_refused_live_run_closes_the_client_it_opened(tmp_path, monkeypatch):
+    """The host refuses questions without the profile's task types; the client and response cache
+    it opened are closed all the same (no 'Unclosed client session' after the error)."""
+    from test_live_loop import config
+
+    from meshheal_jax.backends import live_baselines
+
+    closed, opened = [], live_baselines._open_client
+
+    def watched(*args):
+        live, owned = opened(*args)
+        close = live.close
+        live.close = lambda: (closed.append(True), close())[1]
+        return live, owned
+
+    monkeypatch.setattr(live_baselines, "_open_client", watched)
+    pair = stand_ins()
+    try:
+        with pytest.raises(MeshHealError):
+            run_live_baselines(
+                "raps", bbh_specs((0,)), "default", config(pair, tmp_path / "cache.sqlite"), RECORDS[:1]
+            )
+    finally:
+        for server in pair:
+            server.close()
+    assert closed == [True]
 
 
 def test_math_judging_is_bounded_off_the_main_thread(monkeypatch):

@@ -126,15 +126,8 @@ class LiveBaselineHost:
     ):
         self.client = client
         self.options = options if options is not None else LiveOptions()
-        self.streams: list[_Stream] = []
-        self.index: dict[tuple[int, int], int] = {}
-        for k, spec in enumerate(specs):
-            key = (int(spec.stream.seed), int(spec.stream.dataset_id))
-            if key in self.index:
-                raise MeshHealError(
-                    f"live baselines: two streams with seed {key[0]} and dataset id {key[1]} in one batch"
-                )
-            self.index[key] = k
+        self.streams: list[_Stream] = []  # in the order of the program's batch (World.stream)
+        for spec in specs:
             profile = spec.network.profile
             pool = question_pool(_records_for(questions, profile.dataset), profile.task_types)
             pick = pick_questions(pool, spec.stream.task_type, spec.stream.question, spec.stream.seed,
@@ -233,11 +226,9 @@ class LiveBaselineHost:
 
     def _request(self, op: str, a: dict, v: dict):
         """(CallRequest, finish(reply) -> reply fields) of one call."""
-        s = self.index.get((int(a["seed"]), int(a["dataset_id"])))
-        if s is None:
-            raise MeshHealError(
-                f"live baselines: no stream with seed {a['seed']} and dataset id {a['dataset_id']}"
-            )
+        s = int(a["stream"])
+        if not 0 <= s < len(self.streams):
+            raise MeshHealError(f"live baselines: a call for stream {s}, the host has {len(self.streams)}")
         stream, t, e = self.streams[s], int(a["t"]), int(a.get("execution", 0))
         profile, ex = stream.profile, self._execution(s, int(a["t"]), int(a.get("execution", 0)))
         agent, role = int(a["agent"]), C.ROLE_NAMES[int(a["role"])]
@@ -297,11 +288,12 @@ class LiveBaselineHost:
             def finish(reply: CallResponse) -> dict:
                 text = reply.texts[0]
                 ex.outputs[visit] = text
+                non_empty = int(bool(text and text.strip()))  # Symphony's reward: 1[non-empty output]
                 if not finalize:
                     ex.accepted.append((visit, prompts.PriorOutput(text, (profile.abilities[ability],))))
-                    return {}
+                    return {"non_empty": non_empty}
                 ex.answer = text
-                return {"answer_id": self._answer_id(s, t, text)}
+                return {"answer_id": self._answer_id(s, t, text), "non_empty": non_empty}
 
             return req, finish
 
@@ -400,11 +392,14 @@ def run_live_baselines(
     # a LiveConfig opens its own client; anything else with run_batch (a SyncLiveClient, a
     # test's scripted client) is used as it is and left open
     live, owned = _open_client(client, run_dir) if isinstance(client, LiveConfig) else (client, False)
-    host = LiveBaselineHost([R._spec(s) for s in specs], questions, live, options)
-    try:
+    host = None
+    try:  # the host's own checks (the questions) may refuse the run: the client is closed all the same
+        host = LiveBaselineHost([R._spec(s) for s in specs], questions, live, options)
         return R.run_baseline_frames(method, specs, pair, params, live=host)
     finally:
-        _finish(run_dir, host.trace, live, owned)  # appended: a resumed run keeps the earlier rows
+        _finish(
+            run_dir, host.trace if host else [], live, owned
+        )  # appended: a resumed run keeps the earlier rows
 
 
 def live_baseline_tables(*args, **kwargs) -> list[dict[str, list[dict]]]:

@@ -11,7 +11,7 @@ Defaults: max 10 rounds, one selection retry, no review.
 Mapping decisions (ours), each a named parameter below:
 - `p_select` = the model file's `p_decide` (the emulator's success rate of decision calls);
 - `p_corrupt` = 1 − `p_keep` of the manager's model (a compose keeps a right answer right as a
-  synthesis does; with the shipped files 0.019 for gpt-oss-120b and 0.702 for Llama-3.2-1B, and a
+  synthesis does; with the shipped files 0.020 for gpt-oss-120b and 0.181 for Llama-3.2-1B, and a
   refit of `p_keep` moves it too) unless given; it applies to a healthy manager as well; a wrong answer
   stays wrong with its distractor id; a corrupted one takes a distractor of the manager's model;
 - the manager is not a worker (`manager_works=False`), as the GroupChatManager is not among the

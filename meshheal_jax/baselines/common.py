@@ -224,6 +224,7 @@ class World:
     degraded: jax.Array  # (n_tasks + 1, N) bool  [backend only]
     seed: jax.Array  # () int32
     dataset_id: jax.Array  # () int32
+    stream: jax.Array = None  # () int32 the stream's place in its batch: which stream a live call is for
 
 
 @pytree
@@ -255,7 +256,8 @@ def hop_distances(holds: np.ndarray, adjacency: np.ndarray) -> np.ndarray:
     return np.minimum(dist, INF).astype(np.int32)
 
 
-def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> World:
+def make_world(network: Network, stream: Stream, schedule: HealthSchedule, index: int = 0) -> World:
+    """The stream's constants; `index`: its place in the batch it runs in (the live host's key)."""
     profile = network.profile
     n_types = len(profile.task_types)
     pair_abilities = np.zeros((n_types, len(profile.abilities)), dtype=bool)
@@ -278,6 +280,7 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule) -> Wo
         type_abilities=on_device(pair_abilities[true_pair], bool),
         degraded=on_device(schedule.degraded_matrix(), bool),
         seed=on_device(stream.seed, np.int32), dataset_id=on_device(stream.dataset_id, np.int32),
+        stream=on_device(index, np.int32),
     )  # fmt: skip
 
 
@@ -327,7 +330,7 @@ def select_tree(cond, a, b):
 # a named agent, the inferred pair, the real token counts and the request id (its trace row).
 REPLY_FIELDS = {
     "score": np.float64, "own_score": np.float64, "answer_id": np.int32, "choice": np.int32,
-    "pair": np.int32, "prompt": np.int32, "completion": np.int32, "request": np.int32,
+    "pair": np.int32, "prompt": np.int32, "completion": np.int32, "request": np.int32, "non_empty": np.int32,
 }  # fmt: skip
 LIVE_OPS = ("infer", "generate", "watchdog", "router", "select", "compose", "evaluate", "refine")
 
@@ -341,6 +344,7 @@ class LiveReply(NamedTuple):
     prompt: jax.Array
     completion: jax.Array
     request: jax.Array
+    non_empty: jax.Array  # a generation's reply had text (Symphony's reward)
 
 
 _HOST: list = [None]  # the host answering live calls while `live_host(host)` is active
@@ -371,7 +375,7 @@ def _answer(op: str, valid, scalars, vectors):
 
 
 _DEFAULTS = {"score": np.nan, "own_score": np.nan, "answer_id": -1, "choice": -1, "pair": -1, "prompt": 0,
-             "completion": 0, "request": -1}  # fmt: skip
+             "completion": 0, "request": -1, "non_empty": 1}  # fmt: skip
 
 
 def live_reply(op: str, world: World, t, valid, *, after=0, vectors=None, **fields) -> LiveReply:
@@ -385,7 +389,8 @@ def live_reply(op: str, world: World, t, valid, *, after=0, vectors=None, **fiel
     valid = jnp.asarray(valid, bool)
     shape = valid.shape
     wait = jnp.sum(jnp.asarray(after, jnp.float64))
-    scalars = {"seed": world.seed, "dataset_id": world.dataset_id, "t": t, "after": wait, **fields}
+    scalars = {"stream": world.stream, "seed": world.seed, "dataset_id": world.dataset_id, "t": t, "after": wait,
+               **fields}  # fmt: skip
     scalars = {k: jnp.broadcast_to(jnp.asarray(v), shape) for k, v in scalars.items()}
     vectors = {
         k: jnp.broadcast_to(jnp.asarray(v), shape + jnp.shape(v)[-1:]) for k, v in (vectors or {}).items()
@@ -539,6 +544,7 @@ class Generation(NamedTuple):
     answer_id: jax.Array  # int32: 0 gold, k >= 1 distractor (finalize only, else -1)
     role: jax.Array  # which model wrote it
     tokens: jax.Array  # visible output tokens (what later calls see)
+    non_empty: jax.Array  # bool: the output has text (always, emulated: a gray failure answers)
 
 
 def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, finalize, pair_ok, draft_ok,
@@ -555,7 +561,9 @@ def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, final
         call = make_call(valid, kind, visit, agent, role, r.prompt, r.completion, author=agent, ability=ability,
                          answer_id=answer_id, correct=jnp.where(finalize, answer_ok.astype(jnp.int32), -1),
                          request=r.request)  # fmt: skip
-        return Generation(jnp.bool_(False) & finalize, answer_ok, answer_id, role, r.completion), call
+        return Generation(
+            jnp.bool_(False) & finalize, answer_ok, answer_id, role, r.completion, r.non_empty > 0
+        ), call
     q = world.difficulty[t - 1]  # the question's difficulty bin
     part_ok = u[D.U_MAIN] < emu.p_part[role, task_type, q]
     answer_ok = jnp.where(
@@ -570,7 +578,12 @@ def emulate_generate(emu: Emu, world: World, t, task_type, agent, ability, final
         correct=jnp.where(finalize, answer_ok, part_ok).astype(jnp.int32),
     )  # fmt: skip
     return Generation(
-        part_ok, answer_ok, answer_id.astype(jnp.int32), role, visible_tokens(emu, role, completion)
+        part_ok,
+        answer_ok,
+        answer_id.astype(jnp.int32),
+        role,
+        visible_tokens(emu, role, completion),
+        jnp.bool_(True),
     ), call
 
 

@@ -114,7 +114,7 @@ def simulate(method: str, specs: list, pair: Pair | str, params=None, live=None)
     elif method in ("sac", "symphony"):
         params.check(n_agents)
     emus = host_stack([C.make_emu(pair, s.network.profile, live=live is not None) for s in specs])
-    worlds = host_stack([C.make_world(s.network, s.stream, s.schedule) for s in specs])
+    worlds = host_stack([C.make_world(s.network, s.stream, s.schedule, k) for k, s in enumerate(specs)])
     uniforms = host_stack([C.stream_uniforms(s.stream.seed, s.stream.dataset_id, n_tasks) for s in specs])
     if live is None:
         states, outs = _run(method, params, emus, worlds, uniforms, n_tasks)

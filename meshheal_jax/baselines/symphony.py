@@ -22,7 +22,9 @@ Mapping decisions (ours), each a named parameter below:
 - latency_norm of a call = min(1, mean generate completion tokens of the serving model ×
   `decode_ms_per_token` / 2000 ms), a constant per model; the agent's latency feature is an EMA
   (β = 0.2, start 500 ms as in the code) of what it observed; the emulator always returns a
-  non-empty output (a gray failure answers), so the reward never sees correctness;
+  non-empty output (a gray failure answers), so the reward never sees correctness; live, an
+  output is non-empty when its reply has text (an empty reply, e.g. a reasoning model that spent
+  its tokens, is rewarded 0);
 - instability = 1 when no answer has a strict majority, domain = history = 0;
 - the entry agent (task draw) infers the pair; each plan runs the pair's abilities in vocabulary
   order (the first contributes, the second finalizes); plan k uses the generation uniforms of
@@ -224,6 +226,7 @@ def task_step(
         return (
             executors,
             jnp.stack([first.role, last.role]),
+            jnp.stack([first.non_empty, last.non_empty]),
             last.answer_ok,
             last.answer_id,
             C.stack([call_a, call_b]),
@@ -233,14 +236,14 @@ def task_step(
     first = plans < params.n_plans
     head = slice(0, params.n_plans)
     results = jax.vmap(run_plan)(plan_rank[head], u_gen[head], plan_kind[head], plans[head], first[head])
-    _, _, share, majority = vote(results[3], first[head])
+    _, _, share, majority = vote(results[4], first[head])
     rerun = risk(params, share, majority) >= params.rerun_at - C.TOL
     if params.n_extra:  # the rerun's plans are made (asked, live) only when the risk calls for them
         tail = slice(params.n_plans, total)
         extra = jax.vmap(run_plan, in_axes=(0, 0, 0, 0, None))(plan_rank[tail], u_gen[tail], plan_kind[tail],
                                                                 plans[tail], rerun)  # fmt: skip
         results = C.concat([results, extra])
-    executors, roles, oks, ids, plan_calls = results
+    executors, roles, non_empty, oks, ids, plan_calls = results
     ran = first | rerun
     winner, answer_id, _, _ = vote(ids, ran)
     # learning updates, one per executed call in plan order, with the selection-time contexts
@@ -248,9 +251,9 @@ def task_step(
     x_calls = contexts[jnp.arange(PARTS)[None, :], executors]  # (plans, parts, 6)
 
     def update(state, item):
-        agent, x, role, valid = item
+        agent, x, role, has_text, valid = item
         observed = latency[role]
-        r = reward_of(params, True, observed)
+        r = reward_of(params, has_text, observed)
         state = linucb_update(state, x, r, valid)
         v = jnp.where(valid, 1.0, 0.0)
         keep, ema = params.reputation_keep, params.latency_ema
@@ -261,7 +264,8 @@ def task_step(
             latency_norm=state.latency_norm.at[agent].add(v * ema * (observed - state.latency_norm[agent])),
         ), None  # fmt: skip
 
-    items = (executors.reshape(-1), x_calls.reshape(-1, D_CONTEXT), roles.reshape(-1), jnp.repeat(ran, PARTS))
+    items = (executors.reshape(-1), x_calls.reshape(-1, D_CONTEXT), roles.reshape(-1), non_empty.reshape(-1),
+             jnp.repeat(ran, PARTS))  # fmt: skip
     state, _ = jax.lax.scan(update, state, items)
     calls = C.concat([C.stack([call_infer]),
                       C.flatten(dataclasses.replace(plan_calls, valid=plan_calls.valid & ran[:, None]))])  # fmt: skip
