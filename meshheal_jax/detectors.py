@@ -29,7 +29,7 @@ class DetectorsConfig(CommonFlags):
     dataset: str = "bbh"
     """dataset (profile)"""
     tasks: int = 504
-    """stream length (multiple of 42); degradation starts at the midpoint"""
+    """stream length (a multiple of 42; of 84 for both phases to have the same task-type mix); degradation starts at the midpoint"""
     degraded: tuple[int, ...] | None = None
     """agents (0-based) degraded from the midpoint; default: the profile's A3 and A5 (agents 2 and 4)"""
 

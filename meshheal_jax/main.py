@@ -34,7 +34,7 @@ class MainConfig(CommonFlags):
     datasets: tuple[str, ...] = ("bbh", "math", "mmlu_pro")
     """datasets (profiles) to run"""
     tasks: int = 504
-    """stream length (multiple of 42); degradation starts at the midpoint"""
+    """stream length (a multiple of 42; of 84 for both phases to have the same task-type mix); degradation starts at the midpoint"""
     degraded: tuple[int, ...] | None = None
     """agents (0-based) degraded from the midpoint; default: the profile's A3 and A5 (agents 2 and 4)"""
 
@@ -126,7 +126,7 @@ def print_summary(summary: dict) -> None:
         by_agent = {a["agent"]: a for a in r.get("agents") or []}
         detect.add_row(
             r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
-            *(detection_text(by_agent[k]) for k, _ in agents),
+            *(detection_text(by_agent[k]) if isolates(r) else NEVER_ISOLATED for k, _ in agents),
             *(closure_text(r, by_agent[k]) for k, _ in agents),
             *([fmt(r["missed"], 2)] if agents else []), fmt(r["false_isolations"], 2),
             fmt(r["false_isolated_agents"], 2),

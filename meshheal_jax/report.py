@@ -436,7 +436,7 @@ def agents_table(summary: dict) -> str:
 SCALE_COLUMNS = (  # (key, header, digits, scale) in the order the scaling table shows them
     ("acc_healthy", "acc H", 3, 1.0),
     ("acc_degraded", "acc D", 3, 1.0),
-    ("isolated_degraded", "isolated", 1, 1.0),
+    ("isolated_degraded", "isolated at end", 1, 1.0),
     ("degraded", "degraded", 0, 1.0),
     ("missed", "missed", 1, 1.0),
     ("false_isolations", "false isolations", 2, 1.0),

@@ -238,6 +238,10 @@ class PhaseMixWarning(MeshHealWarning):
     """A stream length whose phases are not whole balanced blocks: the phases' type mixes differ."""
 
 
+class NoHealthyHolderWarning(MeshHealWarning):
+    """--degraded names every holder of an ability: once they degrade, no healthy agent holds it."""
+
+
 def profile_targets(datasets: Sequence[str], profiles_dir: Path | None = None) -> tuple[int, ...]:
     """The profiles' A3/A5 (`degraded_targets`, 0-based), one pair for every dataset of a run."""
     check_names("datasets", datasets)
@@ -385,9 +389,18 @@ class Experiment:
             check_window_memory(self.protocol, self.n_agents, shapes, len(self.seeds) * len(self.pairs))
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
-        self.schedule()
+        schedule = self.schedule()
+        degraded = sorted({agent for agent, _, _ in schedule.intervals})
         for dataset in self.datasets:
-            self.network(dataset)
+            network = self.network(dataset)
+            # --degraded may name any agents (decisions X9): say so where an ability loses every healthy holder
+            lost = [name for s, name in enumerate(network.profile.abilities)
+                    if network.holds[:, s].any() and network.holds[degraded, s].all()]  # fmt: skip
+            if lost:
+                warnings.warn(NoHealthyHolderWarning(
+                    f"{dataset}: the degraded agents {degraded} hold every copy of {', '.join(map(repr, lost))}: "
+                    "while they are degraded no healthy agent holds it (max ability distance unreachable)"
+                ), stacklevel=2)  # fmt: skip
         starts, names = self.phases()
         for profile in profiles:  # stream length and phases, before anything is written
             n_types = len(profile.task_types)
@@ -1226,4 +1239,6 @@ def graph_facts(exp: Experiment, dataset: str) -> dict:
     complete = exp.n_agents * (exp.n_agents - 1) // 2
     return {"n_agents": exp.n_agents, "topology": exp.topology, "degraded": len(intervals),
             "edges": network.n_edges, "edge_fraction": network.n_edges / complete if complete else 0.0,
-            "max_ability_distance": int(distance.max(initial=0))}  # fmt: skip
+            # None where some agent reaches no healthy holder of an ability (NoHealthyHolderWarning)
+            "max_ability_distance": None if distance.max(initial=0) >= graphs.INF_DISTANCE
+            else int(distance.max(initial=0))}  # fmt: skip

@@ -86,14 +86,14 @@ def print_summary(summary: dict) -> None:
     table = new_table(
         f"Network scaling ({summary['engine']} engine, {summary['backend']} backend, slots {summary['slots']})",
         "topology", "agents", "edges (paper)", "of complete", "max ability dist", "acc H", "acc D",
-        "isolated/degraded", "missed", "false isolations (agents)", "detection delay", "tokens/task H / D (k)",
+        "isolated at end/degraded", "missed", "false isolations (agents)", "detection delay", "tokens/task H / D (k)",
         "wall s",
     )  # fmt: skip
     for r in summary["results"]:
         paper = PAPER_EDGES.get(r["n_agents"]) if r["topology"] == "sparse" else None
         edges = f"{r['edges']:,}" + (f" ({paper:,})" if paper else "")
         table.add_row(
-            r["topology"], f"{r['n_agents']:,}", edges, f"{100 * r['edge_fraction']:.2f}%", str(r["max_ability_distance"]),
+            r["topology"], f"{r['n_agents']:,}", edges, f"{100 * r['edge_fraction']:.2f}%", str(r["max_ability_distance"] if r["max_ability_distance"] is not None else "unreachable"),
             fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), f"{fmt(r['isolated_degraded'], 1)} / {r['degraded']}",
             fmt(r["missed"], 1), f"{fmt(r['false_isolations'], 1)} ({fmt(r.get('false_isolated_agents'), 1)})",
             detection_cell(r),

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -149,6 +150,9 @@ def test_main_prints_tables_with_every_method_and_the_words(main_run):
     assert "Persistent degradation" in text and "Detection per degraded agent" in text
     for word in ("meshheal", "raps", "bbh", "math", "mean", "never isolated", "not established"):
         assert word in text, word
+    for line in text.splitlines():  # decisions R2: a baseline's agents are never isolated, in those words
+        if "│ raps" in line and "not established" in line:
+            assert "never isolated" in line and "not isolated while degraded" not in line, line
     assert f"results: {out}" in text and f"report: {out / 'report.md'}" in text
 
 
@@ -169,6 +173,24 @@ def test_main_with_no_agent_degraded_says_so_and_prints_the_false_isolations(tmp
     assert "No agent degraded: false isolations" in proc.stdout
     (line,) = [line for line in proc.stdout.splitlines() if "│ meshheal" in line and "bbh" in line][1:]
     assert f"{result['false_isolations']['mean']:.2f}" in line
+
+
+def test_degrading_every_holder_of_an_ability_is_run_with_a_warning():
+    """--degraded may name any agents (decisions X9); A1-A3 hold every copy of BBH's 'mathematical'."""
+    from meshheal_jax.runner import NoHealthyHolderWarning, graph_facts
+
+    exp = dataclasses.replace(main_experiment(), datasets=("bbh",), degraded=(0, 1, 2))
+    with pytest.warns(
+        NoHealthyHolderWarning,
+        match=r"bbh: the degraded agents \[0, 1, 2\] hold every copy of 'mathematical'",
+    ):
+        exp.validate()
+    assert graph_facts(exp, "bbh")["max_ability_distance"] is None  # not the unreachable sentinel 2**30
+    default = dataclasses.replace(exp, degraded=(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoHealthyHolderWarning)
+        default.validate()
+    assert graph_facts(default, "bbh")["max_ability_distance"] == 1
 
 
 def test_resume_reruns_only_the_missing_method_streams(main_run, tmp_path, monkeypatch):

@@ -250,7 +250,7 @@ def test_scale_summary_gets_scaling_plot_and_table(main_run, tmp_path):
     )
     text = report.write_report(run_dir).read_text()
     assert "## Network scaling" in text and "![Network scaling](scaling.png)" in text
-    assert "| agents | topology | acc H | acc D | isolated | degraded | missed |" in text
+    assert "| agents | topology | acc H | acc D | isolated at end | degraded | missed |" in text
     assert_png(run_dir / "scaling.png")
 
 

@@ -201,7 +201,7 @@ def test_report_of_the_compare_folder_and_of_an_arm(ref_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(ref_run["out"], out)
     text = report.write_report(out).read_text()
-    header = ("| agents | topology | acc H | acc D | isolated | degraded | missed | false isolations | "
+    header = ("| agents | topology | acc H | acc D | isolated at end | degraded | missed | false isolations | "
               "agents falsely isolated | detection delay |")  # fmt: skip
     assert header in text and "tokens/task H (k) | tokens/task D (k) |" in text
     rows = [line for line in text.splitlines() if line.startswith(f"| {N_AGENTS} |")]
@@ -590,7 +590,7 @@ def test_six_agents_print_their_table(tmp_path):
     cfg = parse("--agents", "6", "--engine", "reference", "--slots", "1", "--seeds", "1", "--quiet",
                 "--out", str(tmp_path / "six"))  # fmt: skip
     printed = run_body(cfg)
-    assert "isolated/degraded" in printed and " / 2 " in printed
+    assert "isolated at end/degraded" in printed and " / 2 " in printed
 
 
 def states_frame(changes: list[tuple[int, int, str, str]], shuffle_seed: int | None = 0) -> pl.DataFrame:
