@@ -78,11 +78,11 @@ def print_summary(summary: dict) -> None:
     n_seeds = len(results[0]["seeds"]) if results else 0
     half = summary["n_tasks"] // 2
     with_agents = [r for r in results if r.get("agents")]
-    phases = (f"H: tasks 1–{half}, D: tasks {half + 1}–{summary['n_tasks']}" if with_agents
+    phases = (f"H: tasks 1–{half}, D: tasks {half + 1}–{summary['n_tasks']}; D − H paired within seed" if with_agents
               else f"no agent degraded: H is all {summary['n_tasks']} tasks, D none")  # fmt: skip
     print(f"Persistent degradation, pair {', '.join(pairs)}: mean ± std over {n_seeds} seeds ({summary['backend']} "
-          f"backend; MeshHeal on the {summary['engine']} engine). {phases}; D − H paired within seed; calls "
-          "and tokens (thousands) per task.")  # fmt: skip
+          f"backend; MeshHeal on the {summary['engine']} engine). {phases}; calls and tokens (thousands) per "
+          "task.")  # fmt: skip
     table = new_table(
         "Accuracy, calls and tokens per task",
         "dataset", "method", "acc H", "acc D", "D − H", "calls H", "calls D", "tokens H (k)", "tokens D (k)",

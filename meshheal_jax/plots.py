@@ -494,7 +494,7 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
         if with_false:
             fi = np.array([_value(e, "false_isolations") for e in rows])
             axes[2].errorbar(n, fi[:, 0], yerr=np.nan_to_num(fi[:, 1]), marker="o", label=topology, **style)
-    titles = ("Accuracy", "Degraded agents isolated", "False isolations")
+    titles = ("Accuracy", "Degraded agents isolated at the end", "False isolations")
     ylabels = (
         "accuracy (fraction of tasks correct)",
         "isolated / degraded agents (fraction)",

@@ -396,7 +396,7 @@ class Experiment:
             # --degraded may name any agents (decisions X9): say so where an ability loses every healthy holder
             lost = [name for s, name in enumerate(network.profile.abilities)
                     if network.holds[:, s].any() and network.holds[degraded, s].all()]  # fmt: skip
-            if lost:
+            if lost and degraded:  # (none degraded: a control run, nothing lost)
                 warnings.warn(NoHealthyHolderWarning(
                     f"{dataset}: the degraded agents {degraded} hold every copy of {', '.join(map(repr, lost))}: "
                     "while they are degraded no healthy agent holds it (max ability distance unreachable)"

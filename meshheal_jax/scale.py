@@ -93,7 +93,7 @@ def print_summary(summary: dict) -> None:
         paper = PAPER_EDGES.get(r["n_agents"]) if r["topology"] == "sparse" else None
         edges = f"{r['edges']:,}" + (f" ({paper:,})" if paper else "")
         table.add_row(
-            r["topology"], f"{r['n_agents']:,}", edges, f"{100 * r['edge_fraction']:.2f}%", str(r["max_ability_distance"] if r["max_ability_distance"] is not None else "unreachable"),
+            r["topology"], f"{r['n_agents']:,}", edges, f"{100 * r['edge_fraction']:.2f}%", "—" if r["max_ability_distance"] is None else str(r["max_ability_distance"]),
             fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), f"{fmt(r['isolated_degraded'], 1)} / {r['degraded']}",
             fmt(r["missed"], 1), f"{fmt(r['false_isolations'], 1)} ({fmt(r.get('false_isolated_agents'), 1)})",
             detection_cell(r),

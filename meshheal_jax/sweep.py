@@ -771,9 +771,11 @@ def write_report(run_dir: Path | str) -> Path:
         lines += [f"## {dataset}", "", report.md_table(headers, rows), ""]
     for title, path in figures:
         lines += [f"## {title}", "", f"![{title}]({path.name})", ""]
-    lines += ["## Reproduce", "", ("Re-run the sweep (a new run folder under `runs/`; add `--out DIR` to choose a new or "
-              "empty one), then regenerate this report:"), "", "```sh", *reproduce_commands(config, run_dir), "```",
-              ""]  # fmt: skip
+    rerun = (
+        "Re-run the sweep (a new run folder under `runs/` with its own report; add `--out DIR` to choose a "
+        "new or empty one); the second command regenerates this folder's report:"
+    )
+    lines += ["## Reproduce", "", rerun, "", "```sh", *reproduce_commands(config, run_dir), "```", ""]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2), "```", ""]
     path = run_dir / report.REPORT_NAME
     runner.write_atomic(path, "\n".join(lines))

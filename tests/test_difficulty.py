@@ -158,7 +158,7 @@ def test_baselines_read_the_same_tables_and_the_question_s_bin():
     emu = C.make_emu(HARD, profile)
     np.testing.assert_array_equal(emu.p_part, params.p_part)
     np.testing.assert_array_equal(emu.review_thr, params.review_thr)
-    world = C.make_world(network, stream, persistent_schedule(6, 42, network.degraded_targets))
+    world = C.make_world(network, stream, persistent_schedule(6, 42, network.degraded_targets), 0)
     t_easy = int(np.argmin(stream.difficulty)) + 1
     t_hard = int(np.argmax(stream.difficulty)) + 1
     assert stream.difficulty[t_easy - 1] < stream.difficulty[t_hard - 1]

@@ -499,11 +499,16 @@ def test_garbage_replies_fall_back_and_are_recorded(tmp_path):
 def test_streams_that_share_a_seed_and_dataset_id_run_live():
     """Profiles of one run may share a dataset_id (decisions R1); the host tells their streams
     apart by their place in the batch, so each gets its own stream's answers."""
-    one = run_live_baselines("raps", bbh_specs((0,)), "default", ScriptedClient(), RECORDS)
-    twice = run_live_baselines("raps", bbh_specs((0,)) * 2, "default", ScriptedClient(), RECORDS)
-    for frames in twice:
+    (usual,) = bbh_specs((0,))
+    other = usual._replace(schedule=persistent_schedule(6, N_TASKS, (0, 1)))  # same seed and dataset id
+    alone = [
+        run_live_baselines("raps", [spec], "default", ScriptedClient(), RECORDS)[0] for spec in (usual, other)
+    ]
+    batched = run_live_baselines("raps", [usual, other], "default", ScriptedClient(), RECORDS)
+    assert not alone[0]["calls"].equals(alone[1]["calls"])  # their degraded agents answer differently
+    for one, frames in zip(alone, batched, strict=True):
         for name in ("tasks", "calls"):
-            assert frames[name].equals(one[0][name]), name
+            assert frames[name].equals(one[name]), name
 
 
 def test_a_refused_live_run_closes_the_client_it_opened(tmp_path, monkeypatch):

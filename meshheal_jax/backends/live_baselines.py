@@ -45,7 +45,14 @@ import numpy as np
 import polars as pl
 
 from meshheal_jax import prompts, scoring
-from meshheal_jax.backends.live import CallRequest, CallResponse, SyncLiveClient, request_seed, trace_rows
+from meshheal_jax.backends.live import (
+    PARSE_FAILED,
+    CallRequest,
+    CallResponse,
+    SyncLiveClient,
+    request_seed,
+    trace_rows,
+)
 from meshheal_jax.backends.live_loop import (
     CACHE_FILE,
     LiveConfig,
@@ -288,7 +295,8 @@ class LiveBaselineHost:
             def finish(reply: CallResponse) -> dict:
                 text = reply.texts[0]
                 ex.outputs[visit] = text
-                non_empty = int(bool(text and text.strip()))  # Symphony's reward: 1[non-empty output]
+                # Symphony's reward: 1[non-empty output]; the execution parser fails only on an empty reply
+                non_empty = int(reply.parse_status[0] != PARSE_FAILED)
                 if not finalize:
                     ex.accepted.append((visit, prompts.PriorOutput(text, (profile.abilities[ability],))))
                     return {"non_empty": non_empty}

@@ -256,7 +256,7 @@ def hop_distances(holds: np.ndarray, adjacency: np.ndarray) -> np.ndarray:
     return np.minimum(dist, INF).astype(np.int32)
 
 
-def make_world(network: Network, stream: Stream, schedule: HealthSchedule, index: int = 0) -> World:
+def make_world(network: Network, stream: Stream, schedule: HealthSchedule, index: int) -> World:
     """The stream's constants; `index`: its place in the batch it runs in (the live host's key)."""
     profile = network.profile
     n_types = len(profile.task_types)
@@ -389,8 +389,7 @@ def live_reply(op: str, world: World, t, valid, *, after=0, vectors=None, **fiel
     valid = jnp.asarray(valid, bool)
     shape = valid.shape
     wait = jnp.sum(jnp.asarray(after, jnp.float64))
-    scalars = {"stream": world.stream, "seed": world.seed, "dataset_id": world.dataset_id, "t": t, "after": wait,
-               **fields}  # fmt: skip
+    scalars = {"stream": world.stream, "t": t, "after": wait, **fields}
     scalars = {k: jnp.broadcast_to(jnp.asarray(v), shape) for k, v in scalars.items()}
     vectors = {
         k: jnp.broadcast_to(jnp.asarray(v), shape + jnp.shape(v)[-1:]) for k, v in (vectors or {}).items()
