@@ -19,7 +19,7 @@ from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS, ProtocolParams
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.report import BEFORE_ONSET, detection_text
+from meshheal_jax.report import BEFORE_ONSET, detection_text, print_parse_notes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +179,7 @@ def body(cfg: AblateConfig) -> None:
     experiments = {variant: experiment(cfg, variant) for variant in cfg.variants}
     summary = run_all("ablate", experiments, out, not cfg.quiet, "--variants", **cfg.run_options())
     print_summary(summary)
+    print_parse_notes(summary["results"])
     print(f"results: {out}")
 
 

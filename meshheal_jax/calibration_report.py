@@ -22,6 +22,7 @@ from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, new_table,
 from meshheal_jax.data import DATASETS
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
+from meshheal_jax.report import print_parse_notes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +236,7 @@ def body(cfg: ReportConfig) -> None:
     rows = evaluate({pair: per_seed_contexts(results, exp, pair) for pair in exp.pairs})
     source = "Live models" if cfg.backend == "live" else "Emulator calibration"
     print_report(rows, f"{source} ({cfg.engine} engine, {len(exp.seeds)} seeds, non-probe outputs)")
+    print_parse_notes(results.summary["results"])  # live: fallback scores count as the models' own
     for name in exp.pairs:  # the structures beyond independent draws the files switch on (decisions E9, E10)
         pair = load_pair(name, cfg.params_dir)
         print(f"pair {name}, optional structure: " + "; ".join(

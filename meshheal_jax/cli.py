@@ -266,8 +266,9 @@ def _warning_line(message, category, filename, lineno, line=None) -> str:
 _PYTHON_FORMATWARNING = warnings.formatwarning
 
 
-STOPPED = ("stopped: finished streams and MeshHeal's checkpoints are kept in the run folder; rerun the same "
-           "command with --out set to it (runs/<experiment>-<time> if you gave none) to resume")  # fmt: skip
+STOPPED = ("stopped: finished streams and MeshHeal's checkpoints (a live run: every reply received, in "
+           "responses.sqlite) are kept in the run folder; rerun the same command with --out set to it "
+           "(runs/<experiment>-<time> if you gave none) to resume")  # fmt: skip
 
 
 class Terminated(KeyboardInterrupt):

@@ -18,6 +18,7 @@ from meshheal_jax.ablate import check_names, combined_out, run_all
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import DETECTORS, ProtocolParams
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.report import print_parse_notes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,7 @@ def body(cfg: DetectorsConfig) -> None:
     experiments = {detector: experiment(cfg, detector) for detector in cfg.detectors}
     summary = run_all("detectors", experiments, out, not cfg.quiet, "--detectors", **cfg.run_options())
     print_summary(summary)
+    print_parse_notes(summary["results"])
     print(f"results: {out}")
 
 

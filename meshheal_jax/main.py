@@ -18,12 +18,11 @@ from meshheal_jax.report import (
     BEFORE_ONSET,
     NEVER_ISOLATED,
     NOT_ESTABLISHED,
-    PARSE_FALLBACKS,
     UNDEFINED,
     detection_text,
     isolates,
-    parse_note,
-    parse_problems,
+    method_label,
+    print_parse_notes,
 )
 
 
@@ -57,13 +56,6 @@ def ordered(summary: dict) -> list[dict]:
     methods = list(dict.fromkeys(r["method"] for r in results))
     key = {(r["pair"], r["dataset"], r["method"]): r for r in results}
     return [key[(p, d, m)] for p in pairs for d in datasets for m in methods if (p, d, m) in key]
-
-
-def method_label(r: dict) -> str:
-    """meshheal, or meshheal (variant, detector) where either differs from the default."""
-    extra = [x for x, default in ((r.get("variant"), "full"), (r.get("detector"), "relative"))
-             if r["method"] == "meshheal" and x not in (None, default)]  # fmt: skip
-    return r["method"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def closure_text(r: dict, agent: dict) -> str:
@@ -135,16 +127,6 @@ def print_summary(summary: dict) -> None:
     if any(not isolates(r) for r in shown):
         print(f"Baselines have no detector: their degraded agents are {NEVER_ISOLATED} (detection delay null, "
               f"n_defined 0), closure {NOT_ESTABLISHED}, reintegration {UNDEFINED}.")  # fmt: skip
-
-
-def print_parse_notes(results: list[dict]) -> None:
-    """After the results table, where some live reply failed to parse or needed its retry: one line
-    per such result (nothing on the emulator, which always parses)."""
-    noted = [r for r in results if parse_problems(r)]
-    for r in noted:
-        print(parse_note(r))
-    if noted:
-        print(f"({PARSE_FALLBACKS}; summary.json: parse_failed*, parse_retried*, also per phase.)")
 
 
 def body(cfg: MainConfig) -> None:

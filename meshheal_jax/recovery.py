@@ -17,7 +17,7 @@ import polars as pl
 from meshheal_jax import report, runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.main import method_label, ordered
+from meshheal_jax.main import ordered
 from meshheal_jax.report import (
     BEFORE_ONSET,
     NEVER_ISOLATED,
@@ -25,6 +25,7 @@ from meshheal_jax.report import (
     UNDEFINED,
     agent_cells,
     isolates,
+    method_label,
 )
 
 
@@ -121,6 +122,7 @@ def body(cfg: RecoveryConfig) -> None:
     results = runner.run(experiment(cfg), cfg.out, progress=not cfg.quiet, **cfg.run_options())
     seed = cfg.show_seed if cfg.show_seed is not None else cfg.seed_tuple()[0]
     print_summary(results.summary, results.states, seed)
+    report.print_parse_notes(results.summary["results"])
     if note := report.prefix_note(results.summary):
         print(note)
     path = report.write_report(results.run_dir, cfg.show_seed)

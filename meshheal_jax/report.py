@@ -338,12 +338,29 @@ def _parse_part(r: dict, status: str) -> str:
     return fmt(r.get(f"parse_{status}"), 1) + (f" ({', '.join(groups)})" if groups else "")
 
 
+def method_label(r: dict) -> str:
+    """meshheal, or meshheal (variant, detector) where either differs from the default."""
+    extra = [x for x, default in ((r.get("variant"), "full"), (r.get("detector"), "relative"))
+             if r["method"] == "meshheal" and x not in (None, default)]  # fmt: skip
+    return r["method"] + (f" ({', '.join(extra)})" if extra else "")
+
+
 def parse_note(r: dict) -> str:
     """One line for a result with parse problems: per stream, mean ± std over seeds, the replies
     that kept the fallback and those the retry rescued, with the kind groups that had any."""
-    return (f"Parse failures, {r['dataset']} {r['method']} ({r['pair']}), per stream: "
+    return (f"Parse failures, {r['dataset']} {method_label(r)} ({r['pair']}), per stream: "
             f"{_parse_part(r, 'failed')} replies failed their retry too (fallback recorded); "
             f"{_parse_part(r, 'retried')} parsed on the retry.")  # fmt: skip
+
+
+def print_parse_notes(results: list[dict]) -> None:
+    """After the results table, where some live reply failed to parse or needed its retry: one line
+    per such result (nothing on the emulator, which always parses)."""
+    noted = [r for r in results if parse_problems(r)]
+    for r in noted:
+        print(parse_note(r))
+    if noted:
+        print(f"({PARSE_FALLBACKS}; summary.json: parse_failed*, parse_retried*, also per phase.)")
 
 
 def parse_table(summary: dict) -> str:

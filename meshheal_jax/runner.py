@@ -13,6 +13,7 @@ Re-running with the same --out resumes: finished streams are kept, the rest run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import threading
 import warnings
@@ -952,7 +954,9 @@ class Results:
     states: pl.DataFrame
     calls: pl.DataFrame
     summary: dict
-    resumed: bool = False  # the folder held finished streams or checkpoints when this call began
+    resumed: bool = (
+        False  # the folder held finished streams, checkpoints or (live) cached replies when this call began
+    )
 
 
 def check_arms(out: Path, arms: Sequence[str], flag: str) -> None:
@@ -993,12 +997,16 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     streams = exp.streams()
     todo = [s for s in streams if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
     kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
-    if progress and (kept or saved):
+    # a live run keeps no checkpoints: what an interrupted one kept is its replies, replayed from the cache
+    cached = cached_replies(run_dir / "responses.sqlite") if exp.backend == "live" and todo else 0
+    if progress and (kept or saved or cached):
         print(f"resuming {run_dir}: {kept} of {len(streams)} streams already finished"
-              + (f", {saved} with a checkpoint" if saved else ""), flush=True)  # fmt: skip
+              + (f", {saved} with a checkpoint" if saved else "")
+              + (f", {cached:,} replies in responses.sqlite" if cached else ""), flush=True)  # fmt: skip
     finished: dict[tuple, dict[str, pl.DataFrame]] = {}  # this call's streams, kept to skip reading them back
 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
+        frames = {name: frame for name, frame in frames.items() if name in exp.tables}  # live gives all
         _write_part(_part_dir(run_dir, *stream), frames)
         shutil.rmtree(_checkpoint_dir(run_dir, *stream), ignore_errors=True)  # the part holds it all now
         finished[stream] = frames
@@ -1074,7 +1082,18 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
         summary["server_prefix"] = server_prefix_savings(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary,
-                   resumed=bool(kept or saved))  # fmt: skip
+                   resumed=bool(kept or saved or cached))  # fmt: skip
+
+
+def cached_replies(path: Path) -> int:
+    """Replies in a run folder's response cache (0 where there is none, or it cannot be read)."""
+    if not path.is_file():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+    except sqlite3.Error:
+        return 0
 
 
 def server_prefix_savings(run_dir: Path) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.report import BEFORE_ONSET
+from meshheal_jax.report import BEFORE_ONSET, print_parse_notes
 
 PAPER_EDGES = {96: 228, 288: 705, 576: 1454}  # undirected edges of the paper's sparse graphs
 
@@ -126,6 +126,7 @@ def body(cfg: ScaleConfig) -> None:
                "n_agents": cfg.agents, "results": results}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
+    print_parse_notes(results)
     print(f"results: {out}")
 
 

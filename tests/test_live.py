@@ -312,6 +312,22 @@ def test_round_sent_concurrently_and_capped_by_semaphore():
     run(scenario())
 
 
+def test_a_huge_max_in_flight_opens_at_most_max_lanes_clients():
+    """max_in_flight 100,000 ("unlimited") opened 3,125 clients per server: minutes and gigabytes
+    before the first call. The lanes stop at MAX_LANES; their pools grow instead."""
+    from meshheal_jax.backends.live import MAX_LANES
+
+    async def scenario():
+        async with ScriptedServer() as server:
+            async with LiveClient([strong(server, max_in_flight=100_000)], retry=FAST_RETRY) as client:
+                (one,) = client._servers["strong"]
+                assert len(one.lanes) == MAX_LANES
+                responses = await client.run_batch([gen_request(i) for i in range(40)])
+            assert [r.parsed[0].answer for r in responses] == ["(A)"] * 40
+
+    run(scenario())
+
+
 def test_cyclic_gc_paused_only_while_a_batch_is_in_flight():
     seen = []
 

@@ -76,18 +76,54 @@ def test_live_main_writes_a_run_folder(live_main):
     assert prefix["prefix_shared_share"] == prefix["prefix_shared_tokens"] / prefix["prompt_tokens"]
 
 
-def test_rerun_resends_nothing_and_gives_the_same_results(live_main, tmp_path):
+def test_rerun_resends_nothing_and_gives_the_same_results(live_main, tmp_path, capsys):
     out, pair, argv, sent = live_main
     before = pl.read_parquet(out / "tasks.parquet")
     import shutil
 
     shutil.rmtree(out / "parts")  # as if the run had died before writing any stream
-    main.body(tyro.cli(main.MainConfig, args=argv))
+    cfg = tyro.cli(main.MainConfig, args=argv)
+    results = runner.run(main.experiment(cfg), out, progress=True)  # main.body's run, with its lines
+    assert results.resumed  # the replies kept were all there was to resume from
+    assert (
+        f"resuming {out}: 0 of 2 streams already finished, {sent:,} replies in responses.sqlite"
+        in capsys.readouterr().out
+    )
+    main.body(cfg)
     assert sum(len(s.chats) for s in pair) == sent  # every reply came from the response cache
     assert pl.read_parquet(out / "tasks.parquet").equals(before)
     assert (
         json.loads((out / "summary.json").read_text())["server_prefix"]["requests"] == sent
     )  # replays not counted
+
+
+def test_a_live_run_stopped_mid_round_says_one_line(tmp_path):
+    """Ctrl-C while a round's calls are out: the run's one-line stop and status 130, with no
+    asyncio "exception was never retrieved" traceback after it (it followed in most such stops)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from test_live_loop import well_formed
+
+    pair = stand_ins(lambda role, body: (time.sleep(0.05), well_formed(role, body))[1])
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshheal_jax.main", *flags(pair[0].url, pair[1].url, tmp_path / "run")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )  # fmt: skip
+        deadline = time.monotonic() + 240
+        while sum(len(s.chats) for s in pair) < 30 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        for server in pair:
+            server.close()
+    assert proc.returncode == 130, err[-2000:]
+    lines = [line for line in err.splitlines() if not line.startswith("warning:")]
+    assert len(lines) == 1 and lines[0].startswith("stopped:"), err[-2000:]
 
 
 def test_live_settings_from_a_config_file(tmp_path):
@@ -136,6 +172,44 @@ LIVE_AB = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "ht
 def test_bad_live_settings_are_named(argv, message):
     with pytest.raises(MeshHealError, match=message):
         main.experiment(tyro.cli(main.MainConfig, args=argv)).validate()
+
+
+def test_a_live_run_keeps_only_the_tables_asked_for(tmp_path):
+    """`--tables tasks states` (scale's): a live stream's part holds those two, as an emulated one's."""
+    pair = stand_ins()
+    try:
+        cfg = tyro.cli(
+            main.MainConfig, args=flags(pair[0].url, pair[1].url, tmp_path / "run", "--seeds", "1")
+        )
+        exp = dataclasses.replace(main.experiment(cfg), tables=("tasks", "states"))
+        results = runner.run(exp, tmp_path / "run", progress=False)
+    finally:
+        for server in pair:
+            server.close()
+    (part,) = (results.run_dir / "parts").iterdir()
+    assert sorted(p.name for p in part.iterdir()) == ["states.parquet", "tasks.parquet"]
+    assert results.calls.is_empty() and results.tasks.height == 42
+
+
+def test_ablate_prints_its_parse_failures(tmp_path, capsys):
+    """Replies that never parse are recorded with their parser's fallback; main prints a line per
+    result, and so do the other commands (report.print_parse_notes; they printed nothing). Ablate
+    here: recovery's shortest live run takes ~80 s against these stand-ins."""
+    from test_live_loop import garbage
+
+    from meshheal_jax import ablate
+
+    pair = stand_ins(garbage)
+    argv = ["--backend", "live", "--strong-url", pair[0].url, "--weak-url", pair[1].url, "--data", "sample",
+            "--seeds", "1", "--quiet", "--out", str(tmp_path / "run")]  # fmt: skip
+    try:
+        ablate.body(tyro.cli(ablate.AblateConfig, args=[*argv, "--variants", "full", "--tasks", "42"]))
+    finally:
+        for server in pair:
+            server.close()
+    out = capsys.readouterr().out
+    assert "Parse failures, bbh meshheal (default), per stream:" in out
+    assert "replies failed their retry too (fallback recorded)" in out
 
 
 def test_unreachable_server_is_named_and_nothing_is_lost(tmp_path, capsys, monkeypatch):

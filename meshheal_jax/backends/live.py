@@ -77,6 +77,9 @@ RETRY_SEED_OFFSET = 1_000_003  # a parse-failure retry of sample i uses seed + i
 DEFAULT_REASONING_EFFORT = "medium"  # gpt-oss only
 POOL_HEADROOM = 32  # HTTP connections per server beyond its semaphore
 LANE_CONNECTIONS = 32  # a server gets ceil(in flight / 32) clients, a request taking the least-loaded
+MAX_LANES = (
+    32  # at most: past 1,024 in flight the lanes' pools grow instead (clients cost ~2 MB each to open)
+)
 API_KEY_ENV_VARS = ("MESHHEAL_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")
 
 # CallResponse.parse_status values, per sample
@@ -548,7 +551,7 @@ class LiveClient:
                 servers = []
                 roots = set()
                 for url in group.base_urls:
-                    n_lanes = -(-group.max_in_flight // LANE_CONNECTIONS)
+                    n_lanes = min(-(-group.max_in_flight // LANE_CONNECTIONS), MAX_LANES)
                     per_lane = -(-(group.max_in_flight + POOL_HEADROOM) // n_lanes)
                     lanes = []
                     for _ in range(n_lanes):
@@ -662,6 +665,9 @@ class LiveClient:
             raise MeshHealError(f"live backend: no server configured for role(s) {sorted(missing)}")
         with gc_paused(self.pause_gc, self._gc_held):
             gathered = asyncio.gather(*(self._complete(r) for r in requests), return_exceptions=True)
+            # a round stopped by Ctrl-C / SIGTERM ends the gather cancelled or with the stop's exception:
+            # read it here, or asyncio prints "exception was never retrieved" after the run's one-line stop
+            gathered.add_done_callback(lambda future: future.cancelled() or future.exception())
             try:
                 results = await self._noting_stalls(gathered, len(requests))
             finally:
