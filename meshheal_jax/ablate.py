@@ -86,7 +86,7 @@ def run_all(
             entries.append(entry)
     summary = {"experiment": name, "engine": first["engine"], "backend": first["backend"], "slots": first["slots"],
                "n_agents": first["n_agents"], "n_tasks": first["n_tasks"], "results": entries}  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    runner.write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -563,7 +563,8 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
         if (out / "parts").is_dir():
             raise MeshHealError(f"output folder {out} holds finished streams (parts/) but no config.json"
                                 f"{_LOST_CONFIG.format(out=out)}")  # fmt: skip
-        if any(out.iterdir()):
+        # config.json.tmp alone: a run killed while writing its first config (write_atomic) is a new one
+        if any(path.name != "config.json.tmp" for path in out.iterdir()):
             raise MeshHealError(f"output folder {out} exists and is not a run folder")
         return None
     previous = _previous_config(out)
@@ -1080,7 +1081,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
             written.result()  # a failed write surfaces (chained to a failed summary, if any)
     if exp.backend == "live":
         summary["server_prefix"] = server_prefix_savings(run_dir)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     return Results(run_dir, frames["tasks"], frames["reviews"], frames["states"], frames["calls"], summary,
                    resumed=bool(kept or saved or cached))  # fmt: skip
 

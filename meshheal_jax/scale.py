@@ -124,7 +124,7 @@ def body(cfg: ScaleConfig) -> None:
             results.append({**r, "run_dir": str(run.run_dir), "wall_s": wall, "resumed": run.resumed})
     summary = {"experiment": "scale", "engine": engine, "backend": backend, "slots": slots,
                "n_agents": cfg.agents, "results": results}  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    runner.write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     print_summary(summary)
     print_parse_notes(results)
     print(f"results: {out}")

@@ -675,7 +675,7 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
         df.write_parquet(run_dir / f"{name}.parquet")
     summary = summarize(exp, grid, points, frames)
     summary["timing_s"] = {"wall": wall, **timings, "device": jax_device()}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    runner.write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     write_report(run_dir)
     return SweepResult(run_dir, frames, summary, wall)
 

@@ -560,6 +560,17 @@ def test_out_folder_with_an_unrelated_file(tmp_path):
     assert (out / "thesis.txt").read_text() == "precious"
 
 
+def test_a_run_killed_writing_its_first_config_runs_again(tmp_path):
+    """kill -9 between write_atomic's temporary file and its rename leaves only config.json.tmp: the
+    folder is still a new one (it was refused as 'not a run folder' until deleted by hand)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json.tmp").write_text("")
+    proc = cli("main", *BASE_ARGS, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "summary.json").is_file() and not (out / "config.json.tmp").exists()
+
+
 def test_bad_stream_length_writes_nothing(tmp_path):
     out = tmp_path / "out"
     proc = cli("main", "--seeds", "1", "--tasks", "50", "--datasets", "math", "--quiet", "--out", str(out),
