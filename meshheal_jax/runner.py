@@ -577,6 +577,7 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
     if changed:
         raise MeshHealError(
             f"output folder {out} holds a run of a different configuration ({changed} differ); choose another --out"
+            + _no_work_yet(out)
         )
     inputs = input_digests(exp)
     changed = [
@@ -590,6 +591,15 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
             "choose another --out, or restore the file(s) to resume"
         )
     return previous
+
+
+def _no_work_yet(out: Path) -> str:
+    """For a refusal: that a folder holds nothing to lose (a run stopped before its first stream,
+    checkpoint or model reply, e.g. a live run whose server check failed), so deleting it is safe."""
+    started = any((out / name).is_dir() and any((out / name).iterdir()) for name in ("parts", "checkpoints"))
+    if started or (out / "summary.json").exists() or cached_replies(out / "responses.sqlite"):
+        return ""
+    return " (it holds no finished stream, checkpoint or model reply yet: deleting it loses nothing)"
 
 
 def check_arm_folders(out: Path, experiments: dict[str, Experiment]) -> None:

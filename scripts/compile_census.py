@@ -73,6 +73,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 def summary(path: str) -> None:
     totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    if not os.path.isfile(path):
+        sys.exit(f"error: no census at {path}: run the tests with the plugin first "
+                 "(PYTHONPATH=scripts python -m pytest -p compile_census -n 0 tests/...)")  # fmt: skip
     with open(path) as f:
         rows = [json.loads(line) for line in f]
     for row in rows:

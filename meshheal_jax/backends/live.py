@@ -603,7 +603,7 @@ class LiveClient:
             raise MeshHealError(
                 f"live backend: the {group.role} server at {url} serves {sorted(names)}, not "
                 f"{group.served_name!r}; start it with --served-model-name {group.served_name} or "
-                f"give the served name it uses"
+                f"give the served name it uses ({group.role}_served_name in a --live-config file)"
             )
         return names[group.served_name]
 
@@ -627,7 +627,8 @@ class LiveClient:
             )
         raise MeshHealError(
             f"live backend: the {group.role} server does not say which model it serves; give the "
-            f"real model id (e.g. openai/gpt-oss-120b) for the {group.role} role"
+            f"real model id (e.g. openai/gpt-oss-120b) for the {group.role} role (--{group.role}-model, or "
+            f"{group.role}_model in a --live-config file)"
         )
 
     async def aclose(self) -> None:
