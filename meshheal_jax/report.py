@@ -345,20 +345,21 @@ def method_label(r: dict) -> str:
     return r["method"] + (f" ({', '.join(extra)})" if extra else "")
 
 
-def parse_note(r: dict) -> str:
+def parse_note(r: dict, where: str = "") -> str:
     """One line for a result with parse problems: per stream, mean ± std over seeds, the replies
     that kept the fallback and those the retry rescued, with the kind groups that had any."""
-    return (f"Parse failures, {r['dataset']} {method_label(r)} ({r['pair']}), per stream: "
+    return (f"Parse failures, {where}{r['dataset']} {method_label(r)} ({r['pair']}), per stream: "
             f"{_parse_part(r, 'failed')} replies failed their retry too (fallback recorded); "
             f"{_parse_part(r, 'retried')} parsed on the retry.")  # fmt: skip
 
 
-def print_parse_notes(results: list[dict]) -> None:
+def print_parse_notes(results: list[dict], by_topology: bool = False) -> None:
     """After the results table, where some live reply failed to parse or needed its retry: one line
-    per such result (nothing on the emulator, which always parses)."""
+    per such result (nothing on the emulator, which always parses); `by_topology`: scale's results,
+    one per graph, each line names its graph."""
     noted = [r for r in results if parse_problems(r)]
     for r in noted:
-        print(parse_note(r))
+        print(parse_note(r, f"{r['topology']} graph, " if by_topology else ""))
     if noted:
         print(f"({PARSE_FALLBACKS}; summary.json: parse_failed*, parse_retried*, also per phase.)")
 

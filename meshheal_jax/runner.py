@@ -597,8 +597,8 @@ def _no_work_yet(out: Path) -> str:
     """For a refusal: that a folder holds nothing to lose (a run stopped before its first stream,
     checkpoint or model reply, e.g. a live run whose server check failed), so deleting it is safe."""
     started = any((out / name).is_dir() and any((out / name).iterdir()) for name in ("parts", "checkpoints"))
-    if started or (out / "summary.json").exists() or cached_replies(out / "responses.sqlite"):
-        return ""
+    if started or (out / "summary.json").exists() or cached_replies(out / "responses.sqlite") != 0:
+        return ""  # (a cache it cannot read may hold replies)
     return " (it holds no finished stream, checkpoint or model reply yet: deleting it loses nothing)"
 
 
@@ -1009,7 +1009,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     todo = [s for s in streams if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
     kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
     # a live run keeps no checkpoints: what an interrupted one kept is its replies, replayed from the cache
-    cached = cached_replies(run_dir / "responses.sqlite") if exp.backend == "live" and todo else 0
+    cached = (cached_replies(run_dir / "responses.sqlite") or 0) if exp.backend == "live" and todo else 0
     if progress and (kept or saved or cached):
         print(f"resuming {run_dir}: {kept} of {len(streams)} streams already finished"
               + (f", {saved} with a checkpoint" if saved else "")
@@ -1096,15 +1096,16 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                    resumed=bool(kept or saved or cached))  # fmt: skip
 
 
-def cached_replies(path: Path) -> int:
-    """Replies in a run folder's response cache (0 where there is none, or it cannot be read)."""
+def cached_replies(path: Path) -> int | None:
+    """Replies in a run folder's response cache: 0 where there is none, None where it cannot be read
+    (damaged, or locked past sqlite's timeout)."""
     if not path.is_file():
         return 0
     try:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
             return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
     except sqlite3.Error:
-        return 0
+        return None
 
 
 def server_prefix_savings(run_dir: Path) -> dict:

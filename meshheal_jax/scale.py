@@ -126,7 +126,7 @@ def body(cfg: ScaleConfig) -> None:
                "n_agents": cfg.agents, "results": results}  # fmt: skip
     runner.write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     print_summary(summary)
-    print_parse_notes(results)
+    print_parse_notes(results, by_topology=True)
     print(f"results: {out}")
 
 

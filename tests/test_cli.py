@@ -200,12 +200,13 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
     other = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=84)
     with pytest.raises(MeshHealError, match=r"different configuration \(n_tasks differ\)") as refused:
         prepare_run_dir(other, out)
-    assert "(it holds no finished stream, checkpoint or model reply yet: deleting it loses nothing)" in str(
-        refused.value
-    )
-    (out / "parts" / "meshheal-math-default-seed0").mkdir(
-        parents=True
-    )  # a finished stream: say nothing of deleting
+    nothing_lost = "(it holds no finished stream, checkpoint or model reply yet: deleting it loses nothing)"
+    assert nothing_lost in str(refused.value)
+    (out / "responses.sqlite").write_bytes(b"not a database")  # unreadable: it may hold replies
+    with pytest.raises(MeshHealError, match=r"choose another --out$"):
+        prepare_run_dir(other, out)
+    (out / "responses.sqlite").unlink()
+    (out / "parts" / "meshheal-math-default-seed0").mkdir(parents=True)  # a finished stream
     with pytest.raises(MeshHealError, match=r"choose another --out$"):
         prepare_run_dir(other, out)
     other = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42,

@@ -473,3 +473,16 @@ def test_cli_writes_the_report(main_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"report: {main_run.run_dir / 'report.md'}"
     assert (main_run.run_dir / "report.md").is_file()
+
+
+def test_scale_parse_lines_name_their_graph(capsys):
+    """scale prints one result per topology: each parse-failure line says which graph it is of."""
+    failed = {"mean": 2.0, "std": None, "min": 2, "max": 2, "n_defined": 1}
+    results = [{"dataset": "bbh", "method": "meshheal", "pair": "default", "topology": topology,
+                "parse_failed": failed} for topology in ("complete", "sparse")]  # fmt: skip
+    report.print_parse_notes(results, by_topology=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(", bbh")[0] for line in lines[:2]] == [
+        "Parse failures, complete graph",
+        "Parse failures, sparse graph",
+    ]
