@@ -108,8 +108,8 @@ def agentnet_state(n: int = 4, n_types: int = 2, n_abilities: int = 3) -> agentn
     holds = jnp.asarray(np.eye(n, n_abilities, dtype=bool))
     world = C.World(holds=holds, adjacency=~jnp.eye(n, dtype=bool), hop_distance=None, task_type=None,
                     difficulty=None, question_tokens=None, true_pair=None, pair_abilities=None, pair_valid=None,
-                    type_abilities=jnp.zeros((n_types, n_abilities), bool), degraded=None, seed=None,
-                    dataset_id=None)  # fmt: skip
+                    type_abilities=jnp.zeros((n_types, n_abilities), bool), degraded=None,
+                    stream=None)  # fmt: skip
     return agentnet.init_state(AN, world)
 
 
@@ -207,7 +207,7 @@ RP = raps.RAPSParams()
 
 
 def test_raps_beta_update_with_forgetting():
-    state = raps.init_state(RP, C.World(*[jnp.zeros((3, 3), bool)] + [None] * 12))
+    state = raps.init_state(RP, C.World(*[jnp.zeros((3, 3), bool)] + [None] * 11))
     bad = raps.beta_update(RP, state, 0, 1, True)
     assert bad.x[0, 1] == pytest.approx(1.9) and bad.y[0, 1] == pytest.approx(0.9)
     assert raps.expected_misbehaviour(bad)[0, 1] == pytest.approx(1.9 / 2.8)
@@ -405,7 +405,7 @@ def test_symphony_linucb_arithmetic_matches_numpy():
     ref = np.column_stack([np.ones(9), raw[:, 1:5], (raw[:, 5] > 0.5).astype(float)])
     np.testing.assert_allclose(xs, ref / np.linalg.norm(ref, axis=1, keepdims=True), rtol=1e-12)
     rewards = rng.uniform(size=6)
-    state = symphony.init_state(SP, C.World(*[jnp.zeros((3, 3), bool)] + [None] * 12))
+    state = symphony.init_state(SP, C.World(*[jnp.zeros((3, 3), bool)] + [None] * 11))
     np.testing.assert_allclose(
         symphony.ucb(SP, state, jnp.asarray(xs[6:])), numpy_linucb([], [], xs[6:]), rtol=1e-12
     )

@@ -222,9 +222,7 @@ class World:
     pair_valid: jax.Array  # (P,) bool
     type_abilities: jax.Array  # (T, A) bool: the abilities of each task type's documented pair
     degraded: jax.Array  # (n_tasks + 1, N) bool  [backend only]
-    seed: jax.Array  # () int32
-    dataset_id: jax.Array  # () int32
-    stream: jax.Array = None  # () int32 the stream's place in its batch: which stream a live call is for
+    stream: jax.Array  # () int32 the stream's place in its batch: which stream a live call is for
 
 
 @pytree
@@ -279,7 +277,6 @@ def make_world(network: Network, stream: Stream, schedule: HealthSchedule, index
         pair_valid=on_device(np.arange(n_types) < len(profile.pairs), bool),
         type_abilities=on_device(pair_abilities[true_pair], bool),
         degraded=on_device(schedule.degraded_matrix(), bool),
-        seed=on_device(stream.seed, np.int32), dataset_id=on_device(stream.dataset_id, np.int32),
         stream=on_device(index, np.int32),
     )  # fmt: skip
 
