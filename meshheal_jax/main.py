@@ -19,7 +19,7 @@ from meshheal_jax.report import (
     NEVER_ISOLATED,
     NOT_ESTABLISHED,
     UNDEFINED,
-    detection_text,
+    agent_cells,
     isolates,
     method_label,
     print_parse_notes,
@@ -56,12 +56,6 @@ def ordered(summary: dict) -> list[dict]:
     methods = list(dict.fromkeys(r["method"] for r in results))
     key = {(r["pair"], r["dataset"], r["method"]): r for r in results}
     return [key[(p, d, m)] for p in pairs for d in datasets for m in methods if (p, d, m) in key]
-
-
-def closure_text(r: dict, agent: dict) -> str:
-    if not isolates(r):
-        return NOT_ESTABLISHED
-    return f"{agent['closure_seeds']}/{len(r['seeds'])} seeds"
 
 
 def print_summary(summary: dict) -> None:
@@ -115,11 +109,10 @@ def print_summary(summary: dict) -> None:
         if previous is not None and (r["dataset"], r["pair"]) != previous:
             detect.add_section()
         previous = (r["dataset"], r["pair"])
-        by_agent = {a["agent"]: a for a in r.get("agents") or []}
+        cells = {a["agent"]: agent_cells(r, a) for a in r.get("agents") or []}  # detection, closure, -
         detect.add_row(
             r["dataset"] + ("" if len(pairs) == 1 else f" ({r['pair']})"), method_label(r),
-            *(detection_text(by_agent[k]) if isolates(r) else NEVER_ISOLATED for k, _ in agents),
-            *(closure_text(r, by_agent[k]) for k, _ in agents),
+            *(cells[k][0] for k, _ in agents), *(cells[k][1] for k, _ in agents),
             *([fmt(r["missed"], 2)] if agents else []), fmt(r["false_isolations"], 2),
             fmt(r["false_isolated_agents"], 2),
         )  # fmt: skip
