@@ -391,17 +391,18 @@ class Experiment:
             check_window_memory(self.protocol, self.n_agents, shapes, len(self.seeds) * len(self.pairs))
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
-        schedule = self.schedule()
-        degraded = sorted({agent for agent, _, _ in schedule.intervals})
+        degraded = self.schedule().ever_degraded()
         for dataset in self.datasets:
             network = self.network(dataset)
             # --degraded may name any agents (decisions X9): say so where an ability loses every healthy holder
-            lost = [name for s, name in enumerate(network.profile.abilities)
-                    if network.holds[:, s].any() and network.holds[degraded, s].all()]  # fmt: skip
-            if lost and degraded:  # (none degraded: a control run, nothing lost)
+            lost = [
+                network.profile.abilities[s] for s in np.flatnonzero(~network.holds[~degraded].any(axis=0))
+            ]
+            if lost:
                 warnings.warn(NoHealthyHolderWarning(
-                    f"{dataset}: the degraded agents {degraded} hold every copy of {', '.join(map(repr, lost))}: "
-                    "while they are degraded no healthy agent holds it (max ability distance unreachable)"
+                    f"{dataset}: the degraded agents {np.flatnonzero(degraded).tolist()} hold every copy of "
+                    f"{', '.join(map(repr, lost))}: while they are degraded no healthy agent holds it (max ability "
+                    "distance unreachable)"
                 ), stacklevel=2)  # fmt: skip
         starts, names = self.phases()
         for profile in profiles:  # stream length and phases, before anything is written
@@ -965,9 +966,8 @@ class Results:
     states: pl.DataFrame
     calls: pl.DataFrame
     summary: dict
-    resumed: bool = (
-        False  # the folder held finished streams, checkpoints or (live) cached replies when this call began
-    )
+    # the folder held finished streams, checkpoints or (live) cached replies when this call began
+    resumed: bool = False
 
 
 def check_arms(out: Path, arms: Sequence[str], flag: str) -> None:
@@ -1262,14 +1262,10 @@ def summarize(exp: Experiment, frames: dict[str, pl.DataFrame]) -> dict:
 def graph_facts(exp: Experiment, dataset: str) -> dict:
     """n_agents, topology, degraded, edges, edge fraction and max ability distance of a result."""
     network = exp.network(dataset)
-    holds = network.holds
-    intervals = exp.schedule().intervals
-    degraded = np.zeros(exp.n_agents, dtype=bool)  # the run's degraded agents (--degraded or the profile's)
-    degraded[[agent for agent, _, _ in intervals]] = True
-    distance = graphs.ability_distances(holds, degraded, network.edges)
+    degraded = exp.schedule().ever_degraded()  # the run's degraded agents (--degraded or the profile's)
+    farthest = int(graphs.ability_distances(network.holds, degraded, network.edges).max(initial=0))
     complete = exp.n_agents * (exp.n_agents - 1) // 2
-    return {"n_agents": exp.n_agents, "topology": exp.topology, "degraded": len(intervals),
+    return {"n_agents": exp.n_agents, "topology": exp.topology, "degraded": int(degraded.sum()),
             "edges": network.n_edges, "edge_fraction": network.n_edges / complete if complete else 0.0,
             # None where some agent reaches no healthy holder of an ability (NoHealthyHolderWarning)
-            "max_ability_distance": None if distance.max(initial=0) >= graphs.INF_DISTANCE
-            else int(distance.max(initial=0))}  # fmt: skip
+            "max_ability_distance": None if farthest >= graphs.INF_DISTANCE else farthest}  # fmt: skip

@@ -134,6 +134,12 @@ class HealthSchedule:
             matrix[start:end, agent] = True
         return matrix
 
+    def ever_degraded(self) -> np.ndarray:
+        """(n_agents,) bool: the agents degraded at some task."""
+        mask = np.zeros(self.n_agents, dtype=bool)
+        mask[[agent for agent, _, _ in self.intervals]] = True
+        return mask
+
     def is_degraded(self, agent: int, t: int) -> bool:
         return any(a == agent and s <= t < e for a, s, e in self.intervals)
 

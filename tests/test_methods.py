@@ -187,7 +187,7 @@ def test_degrading_every_holder_of_an_ability_is_run_with_a_warning():
     ):
         exp.validate()
     assert graph_facts(exp, "bbh")["max_ability_distance"] is None  # not the unreachable sentinel 2**30
-    for degraded in ((2, 4), ()):  # the profile's targets; a control run with none
+    for degraded in ((2, 4), (), (2,)):  # the profile's targets; a control run with none; one holder of many
         other = dataclasses.replace(exp, degraded=degraded)
         with warnings.catch_warnings():
             warnings.simplefilter("error", NoHealthyHolderWarning)
