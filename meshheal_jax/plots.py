@@ -416,14 +416,6 @@ def phase_accuracy_bars(tasks: pl.DataFrame, path: Path | str, phases: Sequence[
     return _save(fig, path)
 
 
-SCALING_KEYS = (  # the keys scaling_plot reads (its docstring); n_agents and topology are required
-    "n_agents",
-    "topology",
-    "acc_h",
-    "acc_d",
-    "isolated_degraded",
-    "degraded",
-)
 _ALIASES = {"acc_h": "acc_healthy", "acc_d": "acc_degraded"}
 
 

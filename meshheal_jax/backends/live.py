@@ -77,9 +77,8 @@ RETRY_SEED_OFFSET = 1_000_003  # a parse-failure retry of sample i uses seed + i
 DEFAULT_REASONING_EFFORT = "medium"  # gpt-oss only
 POOL_HEADROOM = 32  # HTTP connections per server beyond its semaphore
 LANE_CONNECTIONS = 32  # a server gets ceil(in flight / 32) clients, a request taking the least-loaded
-MAX_LANES = (
-    32  # at most: past 1,024 in flight the lanes' pools grow instead (clients cost ~2 MB each to open)
-)
+# at most this many lanes: past 1,024 in flight their pools grow instead (a client costs ~2 MB to open)
+MAX_LANES = 32
 API_KEY_ENV_VARS = ("MESHHEAL_API_KEY", "VLLM_API_KEY", "OPENAI_API_KEY")
 
 # CallResponse.parse_status values, per sample

@@ -404,10 +404,8 @@ def run_live_baselines(
     try:  # the host's own checks (the questions) may refuse the run: the client is closed all the same
         host = LiveBaselineHost([R._spec(s) for s in specs], questions, live, options)
         return R.run_baseline_frames(method, specs, pair, params, live=host)
-    finally:
-        _finish(
-            run_dir, host.trace if host else [], live, owned
-        )  # appended: a resumed run keeps the earlier rows
+    finally:  # the trace is appended: a resumed run keeps the earlier rows
+        _finish(run_dir, host.trace if host else [], live, owned)
 
 
 def live_baseline_tables(*args, **kwargs) -> list[dict[str, list[dict]]]:
