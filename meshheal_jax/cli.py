@@ -277,6 +277,10 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame) -> None:
+    # the run is stopping: a second SIGTERM (coreutils' `timeout` signals the process and then its
+    # group) must not cut short what the stop writes (checkpoints, a live call's trace); `guarded`
+    # puts the caller's handler back when the command ends, and SIGKILL still ends it at once
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
 

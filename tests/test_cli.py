@@ -425,6 +425,35 @@ def test_profiles_sharing_a_dataset_id_are_warned_of(tmp_path):
         exp.validate()
 
 
+def test_a_second_sigterm_does_not_cut_the_stop_short(monkeypatch, capsys):
+    """`timeout` signals the process and then its group: the second SIGTERM arrives while the stop
+    writes what it keeps (checkpoints, a live call's trace), and must not interrupt that."""
+    from meshheal_jax import cli as cli_module
+
+    written = []
+
+    @dataclasses.dataclass
+    class Nothing:
+        pass
+
+    def body(_config: Nothing) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        finally:  # what a stop writes on its way out
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            written.append("checkpoint")
+
+    monkeypatch.setattr(sys, "argv", ["command"])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended:
+        cli_module.entrypoint(Nothing, body, "a command")
+    assert written == ["checkpoint"]
+    assert ended.value.code == 143 and capsys.readouterr().err.strip() == cli_module.STOPPED
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "no such folder", "out of memory"])
 def test_ctrl_c_sigterm_and_system_errors_print_one_line(stop, monkeypatch, capsys):
     @dataclasses.dataclass
