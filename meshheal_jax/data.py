@@ -651,7 +651,7 @@ def pick_questions(
             f"stream needs more questions than the pool holds: drawing with replacement past the pool"
             f" ({detail})",
             QuestionPoolWarning,
-            stacklevel=2,
+            stacklevel=1,  # one place for every caller: Python's default filter prints a text once
         )
     records = tuple(pool[int(t)][int(i)] for t, i in zip(task_type, pool_index))
     return QuestionPick(records, pool_index, bool(len(short)), needed, available, short_types)

@@ -573,6 +573,25 @@ def test_pick_questions_with_replacement_is_flagged_and_warned():
     assert quiet.records == pick.records
 
 
+def test_a_question_pool_warning_prints_once_whoever_asks():
+    """MeshHeal's live path and each live baseline pick the same streams' questions: under Python's
+    default filter the same text is printed once, not once per caller."""
+    pool = data.question_pool(data.load_sample("math"), PROFILE_TYPES["math"])
+    stream = _stream(0)
+
+    def meshheal_path():
+        return data.pick_questions(pool, stream.task_type, stream.question, seed=0, dataset_id=1)
+
+    def baseline_path():
+        return data.pick_questions(pool, stream.task_type, stream.question, seed=0, dataset_id=1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        meshheal_path()
+        baseline_path()
+    assert [type(w.message) for w in caught] == [data.QuestionPoolWarning]
+
+
 @needs_shared
 def test_math500_is_too_small_for_a_504_task_stream_but_the_full_split_is_not():
     stream = _stream(0)
