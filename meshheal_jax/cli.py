@@ -64,8 +64,9 @@ class CommonFlags:
     """live: the weak server's real model id (default: read from its /v1/models)"""
     live_config: Path | None = None
     """live: a TOML file with any of strong_url, weak_url (lists), strong_model, weak_model (real model ids),
-    strong_served_name, weak_served_name, max_in_flight, max_tokens, request_timeout_s, data,
-    reasoning_effort, tokenizer (emulated runs) and the tables
+    strong_served_name, weak_served_name, max_in_flight (strong_max_in_flight, weak_max_in_flight: one
+    role's, e.g. a vLLM server with --data-parallel-size D takes D x its --max-num-seqs), max_tokens,
+    request_timeout_s, data, reasoning_effort, tokenizer (emulated runs) and the tables
     hub_id, hub_split, hub_config, hub_revision (dataset = value); flags given on the command line win"""
     data: str | None = None
     """the questions: hub (Hugging Face, live's default), sample (the packaged sample) or a folder of
@@ -107,7 +108,7 @@ class CommonFlags:
 
 
 LIVE_KEYS = ("strong_url", "weak_url", "strong_model", "weak_model", "strong_served_name", "weak_served_name",
-             "max_in_flight", "max_tokens", "request_timeout_s", "data", "reasoning_effort", "hub_id", "hub_split", "hub_config",
+             "max_in_flight", "strong_max_in_flight", "weak_max_in_flight", "max_tokens", "request_timeout_s", "data", "reasoning_effort", "hub_id", "hub_split", "hub_config",
              "hub_revision", "tokenizer")  # fmt: skip
 # the --hub-* keys: the runner.HubSource field each sets and the placeholder its messages show
 HUB_KEYS = {"hub_id": ("hub_id", "ID"), "hub_split": ("split", "SPLIT"), "hub_config": ("config", "CONFIG"),
@@ -196,7 +197,7 @@ def _settings(doc: dict, flags: CommonFlags):
     if not doc:
         return None
     source = f"--live-config {flags.live_config}" if flags.live_config is not None else "live settings"
-    for key in ("max_in_flight", "max_tokens"):
+    for key in ("max_in_flight", "strong_max_in_flight", "weak_max_in_flight", "max_tokens"):
         value = doc.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise MeshHealError(f"{source}: {key} must be an integer, got {value!r}")
@@ -219,6 +220,7 @@ def _settings(doc: dict, flags: CommonFlags):
         strong_urls=urls("strong_url"), weak_urls=urls("weak_url"), strong_model=doc.get("strong_model"),
         weak_model=doc.get("weak_model"), strong_served_name=doc.get("strong_served_name"),
         weak_served_name=doc.get("weak_served_name"), max_in_flight=int(doc.get("max_in_flight", 256)),
+        strong_max_in_flight=doc.get("strong_max_in_flight"), weak_max_in_flight=doc.get("weak_max_in_flight"),
         max_tokens=doc.get("max_tokens"), request_timeout_s=float(timeout), data=str(doc.get("data", "hub")),
         reasoning_effort=doc.get("reasoning_effort", DEFAULT_REASONING_EFFORT), tokenizer=_tokenizer(doc),
         hub=tuple(HubSource(dataset, **{field: doc.get(key, {}).get(dataset) for key, (field, _) in HUB_KEYS.items()})

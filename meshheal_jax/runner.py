@@ -110,6 +110,10 @@ class LiveSettings:
     strong_served_name: str | None = None  # the name the server serves the model under; None: the role
     weak_served_name: str | None = None  # (serving/vllm_pair.sh serves them as "strong" and "weak")
     max_in_flight: int = 256  # per server (serving/vllm_pair.sh's --max-num-seqs)
+    # per server of one role, where it differs: a vLLM server with --data-parallel-size D runs D
+    # engines of --max-num-seqs each behind one URL (None: max_in_flight)
+    strong_max_in_flight: int | None = None
+    weak_max_in_flight: int | None = None
     max_tokens: int | None = None  # cap on every call's max_completion_tokens (None: live_loop defaults)
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # one HTTP call, before it is retried (RetryPolicy)
     data: str = "hub"  # questions: hub | sample | a folder of local benchmark files
@@ -134,8 +138,10 @@ class LiveSettings:
             if not urls:
                 raise MeshHealError(f"--backend live needs the {role} model's server: --{role}-url URL "
                                     "(or a --live-config file); start them with serving/vllm_pair.sh")  # fmt: skip
-        if self.max_in_flight < 1:
-            raise MeshHealError(f"live: max_in_flight must be >= 1, got {self.max_in_flight}")
+        for key in ("max_in_flight", "strong_max_in_flight", "weak_max_in_flight"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise MeshHealError(f"live: {key} must be >= 1, got {value}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise MeshHealError(f"live: max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 < self.request_timeout_s < float("inf"):
@@ -203,6 +209,11 @@ class LiveSettings:
             return data.load_sample(dataset, profile)
         return data.load_local(dataset, self.data, profile)
 
+    def in_flight(self, role: str) -> int:
+        """Requests in flight per server of `role`: its own setting, else max_in_flight."""
+        own = self.strong_max_in_flight if role == "strong" else self.weak_max_in_flight
+        return self.max_in_flight if own is None else own
+
     def config(self, cache_path: Path, pair: str | None = None, params_dir: Path | None = None):
         """The live client's settings; with `pair`, its model files' ids are checked against the
         models the servers serve (a warning, live_loop.check_pair_models)."""
@@ -216,9 +227,9 @@ class LiveSettings:
         return LiveConfig(
             retry=RetryPolicy(request_timeout_s=self.request_timeout_s),
             servers=(ServerGroup("strong", self.strong_urls, self.strong_model, self.strong_served_name,
-                           max_in_flight=self.max_in_flight, gpt_oss_effort=self.reasoning_effort),
+                           max_in_flight=self.in_flight("strong"), gpt_oss_effort=self.reasoning_effort),
                      ServerGroup("weak", self.weak_urls, self.weak_model, self.weak_served_name,
-                           max_in_flight=self.max_in_flight, gpt_oss_effort=self.reasoning_effort)),
+                           max_in_flight=self.in_flight("weak"), gpt_oss_effort=self.reasoning_effort)),
             cache_path=cache_path,
             pair=expected,
         )  # fmt: skip
@@ -709,6 +720,11 @@ def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
+# live settings that change how a run talks to its servers, not what it computes
+NOT_COMPARED = ("strong_urls", "weak_urls", "max_in_flight", "strong_max_in_flight", "weak_max_in_flight",
+                "request_timeout_s")  # fmt: skip
+
+
 def comparable(experiment: dict | None) -> dict | None:
     """A run configuration without what does not change results (the live servers' URLs). A folder
     written before a protocol field existed (next_hop_ties), or a live one before reasoning_effort
@@ -718,11 +734,7 @@ def comparable(experiment: dict | None) -> dict | None:
         experiment = {**experiment, "protocol": {**defaults, **experiment["protocol"]}}
     if not experiment or not experiment.get("live"):
         return experiment
-    live = {
-        k: v
-        for k, v in experiment["live"].items()
-        if k not in ("strong_urls", "weak_urls", "max_in_flight", "request_timeout_s")
-    }
+    live = {k: v for k, v in experiment["live"].items() if k not in NOT_COMPARED}
     live.setdefault("reasoning_effort", DEFAULT_REASONING_EFFORT)
     if "hub" not in live:
         defaults = LiveSettings((), (), data=live.get("data", "hub"))

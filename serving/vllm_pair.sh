@@ -291,6 +291,11 @@ for port in "${strong_ports[@]}" "$WEAK_PORT"; do
 done
 # vLLM's gpt-oss asserts that its MoE intermediate size (2880) divides the torch world size, which
 # under --data-parallel-size is data x tensor parallel ranks (vllm model_executor/models/gpt_oss.py)
+in_flight_hint() {  # $1: the data-parallel engines behind the one strong URL
+  (( $1 > 1 )) || return 0
+  echo "# the strong URL fronts $1 engines of --max-num-seqs $STRONG_MAX_NUM_SEQS: in the client's --live-config," \
+       "strong_max_in_flight = $(( $1 * STRONG_MAX_NUM_SEQS )) (max_in_flight, default 256, caps each server)"
+}
 gpt_oss_ranks_ok() { [[ "$STRONG_MODEL" != *gpt-oss* ]] || (( 2880 % $1 == 0 )); }
 server_ranks=$STRONG_TP  # the torch world size of one strong server
 [[ "$STRONG_DP_MODE" == vllm ]] && server_ranks=$((STRONG_DP * STRONG_TP))
@@ -410,6 +415,7 @@ if [[ "$LAYOUT" == multi-node ]]; then
   echo "# the weak model on GPU $WEAK_GPUS of each node:"
   show "$WEAK_GPUS" "${weak_cmd[@]}"
   echo "# then: --strong-url http://$head:$STRONG_PORT/v1 --weak-url $weak_urls"
+  in_flight_hint $((STRONG_DP * n))
   echo "# every node needs HF_TOKEN in its environment for gated models (meta-llama/*, google/gemma-*)"
   exit 0
 fi
@@ -446,6 +452,7 @@ if (( DRY_RUN )); then
   show "$WEAK_GPUS" "${weak_cmd[@]}"
   echo "# wait until GET http://$ph:$WEAK_PORT/health is 200 and /v1/models lists 'weak' (timeout ${WAIT_TIMEOUT}s)"
   echo "# client: --strong-url $strong_urls --weak-url http://$ph:$WEAK_PORT/v1"
+  [[ "$STRONG_DP_MODE" == vllm ]] && in_flight_hint "$STRONG_DP"
   exit 0
 fi
 
@@ -545,6 +552,7 @@ launch weak "$WEAK_GPUS" "${weak_cmd[@]}"
 wait_ready weak "$WEAK_PORT"
 
 echo "both servers ready; live client: --strong-url $strong_urls --weak-url http://$ph:$WEAK_PORT/v1"
+[[ "$STRONG_DP_MODE" == vllm ]] && in_flight_hint "$STRONG_DP"
 if (( DETACH )); then
   echo "detached; stop them with: $0 stop --run-dir $RUN_DIR"
   trap - INT TERM

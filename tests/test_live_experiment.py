@@ -153,6 +153,32 @@ def test_live_settings_from_a_config_file(tmp_path):
             live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path)]))
 
 
+def test_one_role_s_requests_in_flight_from_a_config_file(tmp_path):
+    """A vLLM server with --data-parallel-size D serves D x --max-num-seqs at one URL: its role gets
+    its own cap; the other role keeps max_in_flight. Neither is compared on resume (how, not what)."""
+    from meshheal_jax import runner
+
+    path = tmp_path / "live.toml"
+    path.write_text('strong_url = "http://a:1/v1"\nweak_url = "http://c:1/v1"\nmax_in_flight = 128\n'
+                    "strong_max_in_flight = 1792\n")  # fmt: skip
+    live = live_settings(tyro.cli(main.MainConfig, args=["--backend", "live", "--live-config", str(path)]))
+    groups = {g.role: g.max_in_flight for g in live.config(tmp_path / "responses.sqlite").servers}
+    assert groups == {"strong": 1792, "weak": 128}
+    before = {"live": dataclasses.asdict(live)}
+    after = {
+        "live": dataclasses.asdict(dataclasses.replace(live, strong_max_in_flight=None, max_in_flight=7))
+    }
+    assert runner.comparable(before) == runner.comparable(after)
+    path.write_text('strong_url = "http://a:1/v1"\nweak_url = "http://c:1/v1"\nweak_max_in_flight = 0\n')
+    with pytest.raises(MeshHealError, match="weak_max_in_flight must be >= 1, got 0"):
+        main.experiment(
+            tyro.cli(main.MainConfig, args=["--backend", "live", "--live-config", str(path)])
+        ).validate()
+    path.write_text('strong_url = "http://a:1/v1"\nstrong_max_in_flight = 2.5\n')
+    with pytest.raises(MeshHealError, match="strong_max_in_flight must be an integer, got 2.5"):
+        live_settings(tyro.cli(main.MainConfig, args=["--live-config", str(path)]))
+
+
 LIVE_AB = ["--backend", "live", "--strong-url", "http://a/v1", "--weak-url", "http://b/v1"]
 
 

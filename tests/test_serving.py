@@ -113,6 +113,12 @@ def test_node8_with_vllms_data_parallelism_warns_for_gpt_oss():
     six = run_script("--layout", "node8", "--strong-dp", "vllm", "--strong-gpus", "0,1,2,3,4,5", "--dry-run",
                      env={"HF_TOKEN": HF_SECRET})  # fmt: skip
     assert serve_lines(six.stdout)[0].endswith("--data-parallel-size 6") and "warning" not in six.stderr
+    assert (
+        "fronts 6 engines of --max-num-seqs 256: in the client's --live-config, strong_max_in_flight = 1536"
+        in six.stdout
+    )
+    replicas = run_script("--layout", "node8", "--dry-run", env={"HF_TOKEN": HF_SECRET})
+    assert "strong_max_in_flight" not in replicas.stdout  # one engine per URL: max_in_flight fits
     taken = run_script("--layout", "node8", "--weak-port", "8003", "--dry-run", env={"HF_TOKEN": HF_SECRET})
     assert (
         taken.returncode == 2
@@ -134,6 +140,11 @@ def test_multi_node_hints():
     assert "--host 0.0.0.0" in head and "--served-model-name strong" in head
     assert "--headless" in worker and "--data-parallel-start-rank 7" in worker
     assert "--served-model-name weak" in weak
+    # option 2's one strong URL fronts 14 engines: the client is told to keep 14 x 256 in flight there
+    assert (
+        "fronts 14 engines of --max-num-seqs 256: in the client's --live-config, strong_max_in_flight = 3584"
+        in out
+    )
 
 
 def test_multi_node_commands_carry_the_settings_given():
