@@ -136,15 +136,20 @@ def sac_rounds(out, t):
     return rounds
 
 
+def answered_sac_rounds(out):
+    """(t, sac_rounds) of every task whose teams all answered."""
+    for t in range(N_TASKS):
+        rounds = sac_rounds(out, t)
+        if rounds is not None:
+            yield t, rounds
+
+
 def test_sac_refinement_fixes_only_from_a_retained_right_answer():
     """A wrong answer becomes right only if an answer the team kept (not dropped by its filter:
     the lowest one scoring below its anchor) is right."""
     _, out = run("sac")
     checked = 0
-    for t in range(N_TASKS):
-        rounds = sac_rounds(out, t)
-        if rounds is None:
-            continue
+    for t, rounds in answered_sac_rounds(out):
         for own_ok, anchor, scores, other_ok, refined_ok, _ in rounds:
             for k in range(3):
                 below = scores[k] < anchor[k]
@@ -163,10 +168,7 @@ def test_sac_refinement_fixes_only_from_a_retained_right_answer():
 def test_sac_final_vote_tie_goes_to_the_highest_last_anchor():
     _, out = run("sac")
     ties = 0
-    for t in range(N_TASKS):
-        rounds = sac_rounds(out, t)
-        if rounds is None:
-            continue
+    for t, rounds in answered_sac_rounds(out):
         _, anchor, _, _, _, ids = rounds[-1]
         if len(set(ids.tolist())) == 3:  # no majority: the tie rule decides
             assert out.answer_id[t] == ids[int(np.argmax(anchor))], (t, ids, anchor)
