@@ -279,11 +279,16 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame) -> None:
-    # the run is stopping: a second SIGTERM (coreutils' `timeout` signals the process and then its
-    # group) must not cut short what the stop writes (checkpoints, a live call's trace); `guarded`
-    # puts the caller's handler back when the command ends, and SIGKILL still ends it at once
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # the run is stopping: a later SIGTERM (coreutils' `timeout` signals the process and then its
+    # group) must not cut short what the stop writes (checkpoints, a live call's trace) or waits
+    # for (a baseline's running program, decisions R5); a Python no-op rather than SIG_IGN, which
+    # child processes would inherit. Ctrl-C (SIGINT) or SIGKILL still end the wait
+    signal.signal(signal.SIGTERM, _stopping)
     raise Terminated()
+
+
+def _stopping(signum, frame) -> None:
+    """SIGTERM once a stop is under way: nothing more to do."""
 
 
 def entrypoint(config_type: type, body: Callable, description: str, stopped: str = STOPPED) -> None:
@@ -296,7 +301,8 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
     line each. A MeshHealError (bad input) prints one line and exits with status 2; an OSError (a
     folder that cannot be made, a full disk) one line naming the file, status 1; running out of
     memory one line, status 1; Ctrl-C or SIGTERM one line saying what is kept (`stopped`: by
-    default what an experiment's run folder keeps), status 130 or 143."""
+    default what an experiment's run folder keeps), status 130 or 143. Once a SIGTERM has started
+    the stop, later ones are ignored until main() has returned (`_terminate`)."""
     warnings.formatwarning = _warning_line
     main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None

@@ -46,15 +46,8 @@ def run(method: str, graph: str = "complete"):
 
 
 def executions(route: np.ndarray) -> list[list[int]]:
-    """A task's route split at ROUTE_SEP, padding dropped."""
-    out, cur = [], []
-    for a in route.tolist():
-        if a == BC.ROUTE_SEP:
-            out.append(cur)
-            cur = []
-        elif a >= 0:
-            cur.append(a)
-    return out
+    """A task's executions (its route as the tasks table writes it, split), padding dropped."""
+    return [[int(a) for a in e.split("-")] for e in BC._route_text(route.tolist()).split("|") if e]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,9 @@ def test_run_batch_raises_when_its_replies_cannot_be_written(tmp_path):
             with ResponseCache(path) as cache:
                 async with LiveClient([strong(server)], cache=cache, retry=FAST_RETRY) as client:
                     cache._db.execute("PRAGMA query_only = 1")  # every write now fails
-                    with pytest.raises(MeshHealError, match=f"response cache {path}: cannot write 3 repl"):
+                    with pytest.raises(
+                        MeshHealError, match=re.escape(f"response cache {path}: cannot write 3 repl")
+                    ):
                         await client.run_batch([gen_request(i) for i in range(3)])
                     cache._db.execute("PRAGMA query_only = 0")
                     assert len(cache) == 3  # held, not lost: written once writes work

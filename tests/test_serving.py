@@ -140,10 +140,12 @@ def test_multi_node_hints():
     assert "--host 0.0.0.0" in head and "--served-model-name strong" in head
     assert "--headless" in worker and "--data-parallel-start-rank 7" in worker
     assert "--served-model-name weak" in weak
-    # option 2's one strong URL fronts 14 engines: the client is told to keep 14 x 256 in flight there
+    assert "strong_max_in_flight" not in out  # option 2's 14 ranks cannot load gpt-oss: no hint for them
+    six = run_script("--layout", "multi-node", "--node-hosts", "gpu-a,gpu-b", "--strong-gpus", "0,1,2,3,4,5")
+    # option 2's one strong URL fronts 12 engines: the client is told to keep 12 x 256 in flight there
     assert (
-        "fronts 14 engines of --max-num-seqs 256: in the client's --live-config, strong_max_in_flight = 3584"
-        in out
+        "fronts 12 engines of --max-num-seqs 256: in the client's --live-config, strong_max_in_flight = 3072"
+        in six.stdout
     )
 
 

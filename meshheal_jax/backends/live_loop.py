@@ -123,16 +123,14 @@ class PairModelWarning(MeshHealWarning):
 
 def check_pair_models(pair: tuple[str, Mapping[str, str]], served: Mapping[str, str]) -> None:
     """Warn when a role's server serves another hub model than the pair's file names (a local path
-    is not compared): the results would be labelled with a pair they do not come from. Warned from
-    here (stacklevel 1) whoever calls: Python's default filter then prints the text once, not once
-    per method's live path."""
+    is not compared): the results would be labelled with a pair they do not come from."""
     name, expected = pair
     for role, model in expected.items():
         got = served.get(role)
         if got and not got.startswith(("/", ".")) and got.lower() != model.lower():
             warnings.warn(f"live backend: pair {name}'s {role} model is {model}, but the {role} server serves "
                           f"{got}; the results are labelled pair {name} (--pair, or --{role}-model to name it)",
-                          PairModelWarning, stacklevel=1)  # fmt: skip
+                          PairModelWarning, stacklevel=2)  # fmt: skip
 
 
 TRACES = {"begin": 0, "absorb": 0}  # incremented at trace time: one trace per (cfg, batched)
