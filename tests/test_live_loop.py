@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -415,3 +416,46 @@ def test_a_pair_whose_files_name_other_models_than_served_warns():
         live_loop.check_pair_models(
             pair, {"strong": "META-LLAMA/Llama-3.3-70B-Instruct", "weak": "/models/llama-1b"}
         )
+
+
+ROUND2 = "\n\nThis is round 2 of a two-member committee."
+
+
+def test_round_two_shows_each_member_its_own_round_one_review(tmp_path):
+    """spec/live.md: round 2 shows both round-1 scores and explanations; each member's own is the one
+    its round-1 call returned, the other member's the other (prompts.committee_round2_messages).
+    Every review reply gets its own explanation, so a round-2 prompt says whose it shows."""
+    lock, reasons = threading.Lock(), {}  # round-1 prompt text -> the explanations replied to it
+
+    def numbered(role: str, body: dict) -> str:
+        reply = well_formed(role, body)
+        fmt = (body.get("response_format") or {}).get("json_schema", {}).get("name")
+        content = body["messages"][-1]["content"]
+        if fmt not in ("contribute_review", "finalize_review") or ROUND2 in content:
+            return reply
+        with lock:
+            reason = f"explanation {sum(map(len, reasons.values()))}"
+            reasons.setdefault(content, []).append(reason)
+        return json.dumps({**json.loads(reply), "one_sentence_reason": reason})
+
+    pair = stand_ins(numbered)
+    try:
+        run(pair, tmp_path / "run")
+    finally:
+        for server in pair:
+            server.close()
+    checked = 0
+    for server in pair:
+        for body in server.chats:
+            content = body["messages"][-1]["content"]
+            if ROUND2 not in content:
+                continue
+            own_prompt, shown = content.split(ROUND2, 1)
+            own = re.search(r"Your explanation: (explanation \d+)", shown)[1]  # then any evidence quoted
+            other = re.search(r"Its explanation: (explanation \d+)", shown)[1]
+            mine = reasons[own_prompt]
+            if other in mine:  # both members asked the same round-1 prompt: whose is whose is moot
+                continue
+            assert own in mine, (own, other, mine)
+            checked += 1
+    assert checked > 0
