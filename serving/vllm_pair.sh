@@ -291,12 +291,12 @@ for port in "${strong_ports[@]}" "$WEAK_PORT"; do
 done
 # vLLM's gpt-oss asserts that its MoE intermediate size (2880) divides the torch world size, which
 # under --data-parallel-size is data x tensor parallel ranks (vllm model_executor/models/gpt_oss.py)
+gpt_oss_ranks_ok() { [[ "$STRONG_MODEL" != *gpt-oss* ]] || (( 2880 % $1 == 0 )); }
 in_flight_hint() {  # $1: the data-parallel engines behind the one strong URL (none if they cannot load)
   (( $1 > 1 )) && gpt_oss_ranks_ok $(( $1 * STRONG_TP )) || return 0
   echo "# the strong URL fronts $1 engines of --max-num-seqs $STRONG_MAX_NUM_SEQS: in the client's --live-config," \
        "strong_max_in_flight = $(( $1 * STRONG_MAX_NUM_SEQS )) (max_in_flight, default 256, caps each server)"
 }
-gpt_oss_ranks_ok() { [[ "$STRONG_MODEL" != *gpt-oss* ]] || (( 2880 % $1 == 0 )); }
 server_ranks=$STRONG_TP  # the torch world size of one strong server
 [[ "$STRONG_DP_MODE" == vllm ]] && server_ranks=$((STRONG_DP * STRONG_TP))
 if ! gpt_oss_ranks_ok "$server_ranks"; then
