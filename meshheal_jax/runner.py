@@ -13,7 +13,6 @@ Re-running with the same --out resumes: finished streams are kept, the rest run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -609,7 +608,7 @@ def _no_work_yet(out: Path) -> str:
     """For a refusal: that a folder holds nothing to lose (a run stopped before its first stream,
     checkpoint or model reply, e.g. a live run whose server check failed), so deleting it is safe."""
     started = any((out / name).is_dir() and any((out / name).iterdir()) for name in ("parts", "checkpoints"))
-    if started or (out / "summary.json").exists() or cached_replies(out / "responses.sqlite") != 0:
+    if started or (out / "summary.json").exists() or cached_replies(out) != 0:
         return ""  # (a cache it cannot read may hold replies)
     return " (it holds no finished stream, checkpoint or model reply yet: deleting it loses nothing)"
 
@@ -875,7 +874,7 @@ def run_live_streams(
     }
     (pair_name,) = {p for _, p, _ in streams}
     return live_loop.run_live_streams(
-        specs, exp.protocol, exp.live.config(run_dir / "responses.sqlite", pair_name, exp.params_dir), questions,
+        specs, exp.protocol, exp.live.config(run_dir / live_loop.CACHE_FILE, pair_name, exp.params_dir), questions,
         slots=exp.slots,
         run_dir=run_dir / f"live-{pair_name}", options=exp.live.options(),
     )  # fmt: skip
@@ -893,12 +892,12 @@ def run_baseline_streams(
 
     params = protocol_params(method, exp.protocol)  # the settings shared with MeshHeal (decisions B8)
     if exp.backend == "live":
-        from meshheal_jax.backends.live_baselines import run_live_baselines
+        from meshheal_jax.backends.live_baselines import CACHE_FILE, run_live_baselines
 
         def run_baseline(method, specs, pair, params):  # the live variant of the same call
             questions = {d: read_questions(exp.live, d, exp.profiles_dir)
                          for d in dict.fromkeys(s.network.profile.dataset for s in specs)}  # fmt: skip
-            return run_live_baselines(method, specs, pair, exp.live.config(run_dir / "responses.sqlite", pair_name,
+            return run_live_baselines(method, specs, pair, exp.live.config(run_dir / CACHE_FILE, pair_name,
                                                                            exp.params_dir),
                                       questions, run_dir=run_dir / f"live-{method}-{pair_name}",
                                       options=exp.live.options(), params=params)  # fmt: skip
@@ -1021,7 +1020,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     todo = [s for s in streams if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
     kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
     # a live run keeps no checkpoints: what an interrupted one kept is its replies, replayed from the cache
-    cached = (cached_replies(run_dir / "responses.sqlite") or 0) if exp.backend == "live" and todo else 0
+    cached = (cached_replies(run_dir) or 0) if exp.backend == "live" and todo else 0
     if progress and (kept or saved or cached):
         print(f"resuming {run_dir}: {kept} of {len(streams)} streams already finished"
               + (f", {saved} with a checkpoint" if saved else "")
@@ -1108,14 +1107,12 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
                    resumed=bool(kept or saved or cached))  # fmt: skip
 
 
-def cached_replies(path: Path) -> int | None:
-    """Replies in a run folder's response cache: 0 where there is none, None where it cannot be read
-    (damaged, or locked past sqlite's timeout)."""
-    if not path.is_file():
-        return 0
+def cached_replies(run_dir: Path) -> int | None:
+    """Replies in a run folder's response cache (`cache.stored_replies`), None where it cannot be read."""
+    from meshheal_jax.backends.cache import CACHE_FILE, stored_replies  # here: asyncio loads only when asked
+
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+        return stored_replies(run_dir / CACHE_FILE)
     except sqlite3.Error:
         return None
 

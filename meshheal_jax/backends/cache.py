@@ -39,6 +39,9 @@ SECRET_ENV_VARS = (
 REDACTED = "[redacted]"
 _MIN_SECRET_LENGTH = 6  # shorter values (e.g. "EMPTY") are not secrets worth scanning for
 
+CACHE_FILE = "responses.sqlite"  # a run folder's response cache
+_COUNT = "SELECT COUNT(*) FROM responses"
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     key TEXT PRIMARY KEY,
@@ -47,6 +50,15 @@ CREATE TABLE IF NOT EXISTS responses (
     created REAL NOT NULL
 )
 """
+
+
+def stored_replies(path: Path) -> int:
+    """Replies in the response cache at `path`, read without opening it for writing: 0 where there
+    is none; sqlite3.Error where it cannot be read (damaged, or locked past sqlite's timeout)."""
+    if not path.is_file():
+        return 0
+    with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+        return int(db.execute(_COUNT).fetchone()[0])
 
 
 def canonical_json(value: Any) -> str:
@@ -173,7 +185,7 @@ class ResponseCache:
 
     def __len__(self) -> int:
         self.flush()
-        return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+        return int(self._db.execute(_COUNT).fetchone()[0])
 
     def close(self) -> None:
         try:

@@ -62,7 +62,7 @@ import numpy as np
 import polars as pl
 
 from meshheal_jax import engine, prompts, scoring
-from meshheal_jax.backends.cache import ResponseCache
+from meshheal_jax.backends.cache import CACHE_FILE, ResponseCache
 from meshheal_jax.backends.live import (
     CallRequest,
     CallResponse,
@@ -79,7 +79,6 @@ from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.params import CALL_KINDS
 
 ROLE_NAMES = engine.ROLE_NAMES  # ("strong", "weak"): index = engine.STRONG / engine.WEAK
-CACHE_FILE = "responses.sqlite"
 TRACE_FILE = "live_trace.parquet"
 DEFAULT_MAX_COMPLETION_TOKENS = {
     "infer": 1024, "generate": 4096, "review": 2048, "committee1": 2048, "committee2": 2048,
