@@ -12,36 +12,26 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_baselines import N_TASKS, NETWORK, PAIR, PROFILE, spec  # the streams test_baselines runs
 
 from meshheal_jax import draws as D
 from meshheal_jax import engine, reference
-from meshheal_jax.baselines import BaselineSpec, simulate, symphony
 from meshheal_jax.baselines import common as BC
-from meshheal_jax.params import ANCHORS, load_pair
-from meshheal_jax.streams import make_stream, persistent_schedule
-from meshheal_jax.topology import build_network, load_profile
+from meshheal_jax.baselines import simulate, symphony
+from meshheal_jax.params import ANCHORS
+from meshheal_jax.topology import build_network
 
-N_TASKS = 504
-PAIR = load_pair("default")
-PROFILE = load_profile("bbh")
 NETWORKS = {
-    "complete": build_network(PROFILE),
+    "complete": NETWORK,
     # a path A1-A2-...-A6: holders are up to 5 hops away, so AgentNet's forward limit binds
     "line": build_network(PROFILE, edges=np.asarray([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)])),
 }
-NETWORK = NETWORKS["complete"]
 
 
 @functools.cache
 def run(method: str, graph: str = "complete"):
     """(state, TaskOut) of one stream (seed 0, A3/A5 degraded from the midpoint), numpy, stream axis dropped."""
-    network = NETWORKS[graph]
-    stream = make_stream(0, PROFILE.dataset_id, N_TASKS, 7, (1, N_TASKS // 2 + 1), ("healthy", "degraded"))
-    schedule = persistent_schedule(6, N_TASKS, NETWORK.degraded_targets)
-    spec = BaselineSpec(
-        network, stream, schedule, {"method": method, "dataset": "bbh", "pair": "default", "seed": 0}
-    )
-    states, outs = simulate(method, [spec], PAIR)
+    states, outs = simulate(method, [spec(0, method=method)._replace(network=NETWORKS[graph])], PAIR)
     return jax.tree_util.tree_map(lambda x: np.asarray(x)[0], (states, outs))
 
 
@@ -249,7 +239,7 @@ def test_symphony_stage_a_keeps_only_the_top_3_by_match():
 
 def test_raps_watchdog_score_is_drawn_with_the_first_review_sample_of_the_judged_output():
     _, out = run("raps")
-    stream = make_stream(0, PROFILE.dataset_id, N_TASKS, 7, (1, N_TASKS // 2 + 1), ("healthy", "degraded"))
+    stream = spec(0).stream
     u_calls = np.asarray(D.stream_draws(0, PROFILE.dataset_id, N_TASKS).calls)
     review_thr = np.asarray(BC.make_emu(PAIR, PROFILE).review_thr)
     calls, rv = out.calls, out.reviews
