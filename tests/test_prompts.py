@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pydantic")
 
@@ -471,3 +473,44 @@ def test_review_reply_reads_back_its_score_on_every_anchor(stage):
         assert verdict.score == score and verdict.adjustment == ""
         assert verdict.failure_evidence == ("2 + 2 = 5" if score <= 0.25 else "")
         assert verdict.final_answer_committed is (None if stage == "contribute" else score > 0.25)
+
+
+def _json_values_trying_every_opener(text: str) -> list:
+    """_json_values without its skip of openers past the last closer: every '{' and '[' tried."""
+    stripped = text.strip()
+    try:
+        return [json.loads(stripped)]
+    except (ValueError, RecursionError):
+        pass
+    decoder, found, i = json.JSONDecoder(), [], 0
+    while i < len(stripped):
+        if stripped[i] in "{[":
+            try:
+                value, end = decoder.raw_decode(stripped, i)
+            except (ValueError, RecursionError):
+                i += 1
+                continue
+            if isinstance(value, (dict, list)):
+                found.append(value)
+            i = end
+        else:
+            i += 1
+    return found
+
+
+@given(
+    st.lists(st.sampled_from(["{", "}", "[", "]", '"', ":", ",", "1", "a", " ", '"a"', "\\"]), max_size=40)
+)
+@settings(max_examples=400, deadline=None)
+def test_json_values_skips_only_openers_that_cannot_close(pieces):
+    """Not trying an opener past the last closer of its kind finds exactly what trying every opener
+    finds (a value opened by '{' ends with '}', by '[' with ']')."""
+    text = "".join(pieces)
+    assert prompts._json_values(text) == _json_values_trying_every_opener(text)
+
+
+def test_json_values_of_a_reply_looping_on_openers():
+    """A reply that repeats an opener to its token limit holds no JSON, and what comes before the
+    loop is still found."""
+    assert prompts._json_values("[" * 32_000) == []
+    assert prompts._json_values('{"score": 1} ' + '{"a": [' * 5_000) == [{"score": 1}]
