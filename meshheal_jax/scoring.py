@@ -138,6 +138,12 @@ def _normalise_text(text: str) -> str:
     return text.rstrip(".!").strip().casefold()
 
 
+def _past_answer_prefix(text: str) -> str:
+    """An option's text as extract_answer leaves it when a reply quotes it: an option that starts
+    "The answer ..." (MMLU-Pro qids 1841, 8341) loses those words to the answer prefix."""
+    return _normalise_text(_ANSWER_PREFIX.sub("", _strip_wrappers(text), count=1))
+
+
 _LETTER_ONLY = re.compile(r"^[(\[]?([A-Za-z])[)\]]?[.:]?$")
 
 
@@ -148,7 +154,9 @@ def option_letter(
     or the letter of the one option whose text it equals; None otherwise.
 
     An answer that quotes an option's text in full reads as that option even where the text
-    starts like a letter ("H. Ross Perot, 1996" is option C's text, not option H); a bare letter
+    starts like a letter ("H. Ross Perot, 1996" is option C's text, not option H), and where it
+    starts "The answer ..." (equal to no option once extract_answer took those words, it is
+    compared again with every option past that prefix); a bare letter
     ("B", "(B)", "B.") of `letters` is always a letter, and one outside them ("S", an option's
     text for the S phase) can only be an option's text.
     """
@@ -156,8 +164,11 @@ def option_letter(
     candidate = re.sub(r"^\\text\{(.*)\}$", r"\1", candidate).strip()
     bare = _LETTER_ONLY.match(candidate)
     if options and not (bare and bare.group(1).upper() in letters):
-        wanted = _normalise_text(answer)
-        hits = [i for i, option in enumerate(options) if _normalise_text(option) == wanted]
+        for key in (_normalise_text, _past_answer_prefix):
+            wanted = key(answer)
+            hits = [i for i, option in enumerate(options) if key(option) == wanted]
+            if hits:
+                break
         if len(hits) == 1 and hits[0] < len(letters):
             return letters[hits[0]]
     candidate = _LETTER_PREFIX.sub("", candidate, count=1).strip()

@@ -295,8 +295,8 @@ def test_mmlu_pro_letters_on_real_questions():
 def test_mmlu_pro_quoting_an_option_reads_as_that_option():
     # Option texts like "H. Ross Perot, Reform Party, 1996" (qid 4746, option C) start like a
     # letter; quoted in full they must read as their own option, and so must one-letter texts
-    # outside A-J ("S", qid 2857's S phase). A bare letter of A-J stays a letter, and an option
-    # starting "The answer" loses those words to the answer-prefix rule: both are left out.
+    # outside A-J ("S", qid 2857's S phase), and so must texts starting "The answer" (qids 1841,
+    # 8341), which the answer-prefix rule shortens. A bare letter of A-J stays a letter: left out.
     quoted = single = 0
     for rec in _mmlu_records():
         texts = [scoring._normalise_text(o) for o in rec.options]
@@ -308,14 +308,37 @@ def test_mmlu_pro_quoting_an_option_reads_as_that_option():
                 or (bare and bare.group(1).upper() in "ABCDEFGHIJ")
             ):
                 continue
-            if option.casefold().startswith("the answer"):
-                continue
             verdict = judge("mmlu_pro", f"RESULT: {option}", rec.gold, rec.options)
             assert verdict.answer == "ABCDEFGHIJ"[i], (rec.uid, option, verdict)
             quoted += 1
             single += bool(bare)
     assert quoted > (5_000 if SHARED_DATA.is_dir() else 200)  # the shipped sample is smaller
     assert single >= (10 if SHARED_DATA.is_dir() else 0)
+
+
+def test_an_option_starting_the_answer_is_read_when_quoted():
+    """An option whose text starts "The answer ..." (MMLU-Pro qid 8341's B, D and F below) reads as
+    itself when a reply quotes it, though extract_answer takes those words as the answer prefix;
+    an exact option text still wins over one past the prefix."""
+    options = (
+        "The jury pool is 10% women.",
+        "The answer cannot be determined without knowing the size of the jury pool.",
+        "The jury pool is biased.",
+        "The answer cannot be determined without knowing the percentage of men in the jury pool.",
+        "Nothing can be said.",
+        "The answer can be determined without knowing the size of the jury pool.",
+    )
+    for i in (1, 3, 5):
+        verdict = judge("mmlu_pro", f"RESULT: {options[i]}", "B", options)
+        assert verdict.status == OK and verdict.answer == "ABCDEF"[i]
+    assert judge(
+        "mmlu_pro",
+        "RESULT: **The answer cannot be determined without knowing the size of the jury pool**",
+        "B",
+        options,
+    ).correct
+    assert scoring.option_letter("5", ("The answer is 5", "5")) == "B"
+    assert scoring.option_letter("7", ("The answer is 5", "5")) is None
 
 
 def test_a_one_letter_option_outside_the_letters_is_read_as_its_text():
