@@ -546,7 +546,14 @@ def section_b(
         per call before the network; compare it with the per-call CPU that < 5% allows (above)."""
         import openai
 
-        from meshheal_jax.backends.live import _http_library, _post_options, chat_body, request_params
+        from meshheal_jax.backends.live import (
+            _PLATFORM_HEADERS,
+            _http_library,
+            _no_telemetry,
+            _post_options,
+            chat_body,
+            request_params,
+        )
 
         lib = _http_library(openai.DefaultAsyncHttpxClient)
         reply = json.dumps({"id": "floor", "object": "chat.completion", "created": 0, "model": "strong",
@@ -556,7 +563,7 @@ def section_b(
         http = lib.AsyncClient(transport=lib.MockTransport(
             lambda _: lib.Response(200, content=reply, headers={"content-type": "application/json"})))  # fmt: skip
         client = openai.AsyncOpenAI(base_url="http://stand-in.invalid/v1", api_key="EMPTY", http_client=http,
-                                    max_retries=0)  # fmt: skip
+                                    max_retries=0, default_headers=_no_telemetry(openai, _PLATFORM_HEADERS))  # fmt: skip
         bodies = [chat_body("strong", r.messages, request_params(r, r.n, r.seed, None))
                   for r in bench_requests(count, seed_base=60_000)]  # fmt: skip
         options = _post_options(openai)

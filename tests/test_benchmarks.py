@@ -141,3 +141,17 @@ def test_waves_replay_matches_the_engine():
                  if line.startswith("| ") and not line.startswith("| rule")}  # fmt: skip
         assert waves["by type (bound)"] <= waves["greedy"] <= waves["engine (replayed)"], out
         assert waves["engine (replayed)"] == waves["engine (its `_wave`, run)"] >= 1, out
+
+
+def test_profile_client_splits_the_clients_cpu():
+    """benchmarks/profile_client.py: the client's CPU per call, and the share of it inside the openai
+    SDK's `post` (a share, between 0 and 1, that the profile really found), against the stand-in."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_client.py"), "--in-flight", "16",
+           "--requests", "64", "--batches", "1", "--latency", "0.01", "--top", "3"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.startswith("64 calls at 16 in flight"), out
+    assert float(out.split("client CPU per call: ")[1].split(" ms")[0]) > 0, out
+    share = float(out.split("the openai SDK's `post`: ")[1].split("(")[1].split("%")[0])
+    assert 0 < share < 100, out

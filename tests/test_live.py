@@ -842,7 +842,8 @@ def test_secrets_never_reach_the_cache(tmp_path, monkeypatch):
 
 def test_requests_on_the_wire_equal_the_sdks_typed_call():
     """The client posts its own JSON body (`AsyncOpenAI.post`); the bytes and the auth header on the
-    wire are those of `chat.completions.create` with the same typed arguments."""
+    wire are those of `chat.completions.create` with the same typed arguments, without the SDK's
+    telemetry headers (X-Stainless-*), which the typed call sends."""
     import openai
 
     async def scenario():
@@ -861,6 +862,9 @@ def test_requests_on_the_wire_equal_the_sdks_typed_call():
             assert (b1, b2) == (b3, b4)
             assert {h["authorization"] for h in (h1, h2, h3, h4)} == {"Bearer sk-wire-test"}
             assert {h["content-type"] for h in (h1, h2, h3, h4)} == {"application/json"}
+            telemetry = [{name for name in h if name.startswith("x-stainless-")} for h in (h1, h2, h3, h4)]
+            assert telemetry[:2] == [set(), set()]
+            assert {"x-stainless-lang", "x-stainless-retry-count"} <= telemetry[2] == telemetry[3]
 
     run(scenario())
 

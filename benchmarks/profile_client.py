@@ -1,0 +1,101 @@
+"""Where the live client's CPU goes: `cProfile` over `LiveClient.run_batch` against the
+fixed-latency STAND-IN of live_throughput.py (not a model), as section b drives it (one URL, the
+semaphore at `--in-flight`, a dropped warm-up batch that opens the connections, no response cache).
+
+Prints the client's CPU per call with and without the profiler, then the profiled CPU (the time
+inside `epoll` left out: that is waiting) split into what the openai SDK's `post` took (building
+the request, sending it through its HTTP transport, reading the reply) and the rest (LiveClient's
+own work, the event loop), and the largest functions by self time. cProfile counts every resumption
+of a coroutine as a call, so read the times, not the call counts.
+
+    python benchmarks/profile_client.py                        # 256 in flight, 3 batches of 1,024
+    python benchmarks/profile_client.py --in-flight 1024 --top 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import live_throughput as lt
+
+from meshheal_jax.backends.live import LiveClient, ServerGroup
+
+
+def _cumulative(stats: pstats.Stats, file_part: str, function: str) -> float:
+    """Cumulative seconds of the functions named `function` in files whose path holds `file_part`
+    (the outermost frame's figure: cProfile does not double count recursion)."""
+    return sum(
+        row[3] for (path, _, name), row in stats.stats.items() if file_part in path and name == function
+    )
+
+
+async def profile(url: str, in_flight: int, size: int, batches: int, latency: float, stand_in) -> dict:
+    group = ServerGroup("strong", (url,), max_in_flight=in_flight)
+    async with LiveClient([group], retry=lt.BENCH_RETRY) as client:
+        await client.run_batch(lt.bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
+        stand_in.reset(latency)
+        plain = lt.bench_requests(size * batches, seed_base=70_000)
+        cpu0 = time.process_time()
+        await client.run_batch(plain)
+        cpu_plain = time.process_time() - cpu0
+        profiler = cProfile.Profile()
+        cpu0 = time.process_time()
+        profiler.enable()
+        for k in range(batches):
+            await client.run_batch(lt.bench_requests(size, seed_base=30_000 + k * 100_003))
+        profiler.disable()
+        cpu_profiled = time.process_time() - cpu0
+    return {
+        "profiler": profiler,
+        "calls": size * batches,
+        "cpu_plain": cpu_plain,
+        "cpu_profiled": cpu_profiled,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--in-flight", type=int, default=256, help="the client's semaphore")
+    ap.add_argument("--requests", type=int, default=1024, help="requests per batch")
+    ap.add_argument("--batches", type=int, default=3, help="profiled batches (and one plain run of as many)")
+    ap.add_argument("--latency", type=float, default=0.2, help="the stand-in's latency (s)")
+    ap.add_argument("--top", type=int, default=25, help="functions listed by self time")
+    args = ap.parse_args(argv)
+    with lt.FixedLatencyStandIn(args.latency) as stand_in:
+        run = asyncio.run(
+            profile(stand_in.url, args.in_flight, args.requests, args.batches, args.latency, stand_in)
+        )
+    stats = pstats.Stats(run["profiler"])
+    waiting = sum(
+        row[2]
+        for (_, _, name), row in stats.stats.items()
+        if name == "<method 'poll' of 'select.epoll' objects>"
+    )
+    total = stats.total_tt - waiting
+    sdk = _cumulative(stats, "openai/_base_client.py", "post")
+    calls = run["calls"]
+    out = {
+        "cpu_ms_per_call": 1e3 * run["cpu_plain"] / calls,
+        "cpu_ms_per_call_profiled": 1e3 * run["cpu_profiled"] / calls,
+        "sdk_post_share": sdk / total,
+    }
+    print(f"{calls:,} calls at {args.in_flight} in flight, stand-in latency {args.latency:g} s")
+    print(
+        f"client CPU per call: {out['cpu_ms_per_call']:.3f} ms ({out['cpu_ms_per_call_profiled']:.3f} ms under cProfile)"
+    )
+    print(f"profiled time, epoll's waiting left out: {total:.2f} s; the openai SDK's `post`: {sdk:.2f} s "
+          f"({100 * out['sdk_post_share']:.0f}%); the rest (LiveClient, the event loop): {total - sdk:.2f} s")  # fmt: skip
+    stats.sort_stats("tottime").print_stats(args.top)
+    return out
+
+
+if __name__ == "__main__":
+    main()
