@@ -8,8 +8,13 @@ the request, sending it through its HTTP transport, reading the reply) and the r
 own work, the event loop), and the largest functions by self time. cProfile counts every resumption
 of a coroutine as a call, so read the times, not the call counts.
 
+`--ab-telemetry TURNS` instead alternates LiveClient without and with the SDK's telemetry headers
+(X-Stainless-*, which LiveClient leaves out) and prints each arm's CPU per call (median of each
+client's batches) per turn, no profiler.
+
     python benchmarks/profile_client.py                        # 256 in flight, 3 batches of 1,024
     python benchmarks/profile_client.py --in-flight 1024 --top 40
+    python benchmarks/profile_client.py --ab-telemetry 4
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import asyncio
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import live_throughput as lt
 
+from meshheal_jax.backends import live
 from meshheal_jax.backends.live import LiveClient, ServerGroup
 
 
@@ -61,6 +68,48 @@ async def profile(url: str, in_flight: int, size: int, batches: int, latency: fl
     }
 
 
+async def cpu_per_call(url: str, in_flight: int, size: int, batches: int, telemetry: bool) -> float:
+    """ms of client CPU per call, median over `batches` batches of `size` (after a warm-up batch),
+    with the SDK's telemetry headers sent (`telemetry`) or not (LiveClient's own requests)."""
+    kept = live._PLATFORM_HEADERS, live._PER_REQUEST_HEADERS
+    if telemetry:  # nothing to omit: the SDK's defaults go out
+        live._PLATFORM_HEADERS, live._PER_REQUEST_HEADERS = (), ()
+    try:
+        async with LiveClient(
+            [ServerGroup("strong", (url,), max_in_flight=in_flight)], retry=lt.BENCH_RETRY
+        ) as client:
+            await client.run_batch(lt.bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
+            out = []
+            for k in range(batches):
+                batch = lt.bench_requests(size, seed_base=30_000 + k * 100_003)
+                cpu0 = time.process_time()
+                await client.run_batch(batch)
+                out.append(1e3 * (time.process_time() - cpu0) / size)
+            return statistics.median(out)
+    finally:
+        live._PLATFORM_HEADERS, live._PER_REQUEST_HEADERS = kept
+
+
+def ab_telemetry(args) -> dict:
+    arms = {"without telemetry headers (LiveClient)": False, "with the SDK's telemetry headers": True}
+    results: dict[str, list[float]] = {name: [] for name in arms}
+    with lt.FixedLatencyStandIn(args.latency) as stand_in:
+        stand_in.reset(args.latency)
+        for turn in range(args.ab_telemetry):
+            order = list(arms) if turn % 2 == 0 else list(reversed(arms))
+            for name in order:
+                results[name].append(
+                    asyncio.run(
+                        cpu_per_call(stand_in.url, args.in_flight, args.requests, args.batches, arms[name])
+                    )
+                )
+    print(f"client CPU per call, ms ({args.in_flight} in flight, {args.batches} batches of {args.requests:,} "
+          f"a client, arms alternated, {args.ab_telemetry} turns)")  # fmt: skip
+    for name, values in results.items():
+        print(f"{name}: {' / '.join(f'{v:.3f}' for v in values)} (median {statistics.median(values):.3f})")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--in-flight", type=int, default=256, help="the client's semaphore")
@@ -68,7 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", type=int, default=3, help="profiled batches (and one plain run of as many)")
     ap.add_argument("--latency", type=float, default=0.2, help="the stand-in's latency (s)")
     ap.add_argument("--top", type=int, default=25, help="functions listed by self time")
+    ap.add_argument(
+        "--ab-telemetry", type=int, metavar="TURNS", help="A/B: without and with telemetry headers"
+    )
     args = ap.parse_args(argv)
+    if args.ab_telemetry:
+        return ab_telemetry(args)
     with lt.FixedLatencyStandIn(args.latency) as stand_in:
         run = asyncio.run(
             profile(stand_in.url, args.in_flight, args.requests, args.batches, args.latency, stand_in)
