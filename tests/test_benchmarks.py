@@ -155,3 +155,16 @@ def test_profile_client_splits_the_clients_cpu():
     assert float(out.split("client CPU per call: ")[1].split(" ms")[0]) > 0, out
     share = float(out.split("the openai SDK's `post`: ")[1].split("(")[1].split("%")[0])
     assert 0 < share < 100, out
+
+
+def test_profile_client_ab_telemetry_prints_both_arms():
+    """benchmarks/profile_client.py --ab-telemetry: one CPU-per-call figure per arm and turn."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_client.py"), "--in-flight", "8",
+           "--requests", "32", "--batches", "1", "--latency", "0.01", "--ab-telemetry", "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = [line for line in done.stdout.splitlines() if "telemetry headers" in line and "median" in line]
+    assert len(arms) == 2, done.stdout
+    for line in arms:
+        values = line.split(": ", 1)[1].split(" (median")[0].split(" / ")
+        assert len(values) == 2 and all(float(v) > 0 for v in values), line
