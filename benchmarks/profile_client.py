@@ -5,7 +5,8 @@ semaphore at `--in-flight`, a dropped warm-up batch that opens the connections, 
 Prints the client's CPU per call with and without the profiler, then the profiled CPU (the time
 inside `epoll` left out: that is waiting) split into what the openai SDK's `post` took (building
 the request, sending it through its HTTP transport, reading the reply) and the rest (LiveClient's
-own work, the event loop), and the largest functions by self time. cProfile counts every resumption
+own work, the event loop), the shares of `post` that build the request and that send it, and the
+largest functions by self time. cProfile counts every resumption
 of a coroutine as a call, so read the times, not the call counts.
 
 `--ab-telemetry TURNS` instead alternates LiveClient without and with the SDK's telemetry headers
@@ -147,6 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"profiled time, epoll's waiting left out: {total:.2f} s; the openai SDK's `post`: {sdk:.2f} s "
           f"({100 * out['sdk_post_share']:.0f}%); the rest (LiveClient, the event loop): {total - sdk:.2f} s")  # fmt: skip
+    build = _cumulative(stats, "openai/_base_client.py", "_build_request")
+    send = _cumulative(stats, "openai/_base_client.py", "_send_request")
+    out.update(build_share_of_post=build / sdk, send_share_of_post=send / sdk)
+    print(f"of the SDK's `post`: building the request (`_build_request`) {100 * build / sdk:.0f}%, "
+          f"sending it and reading the reply (`_send_request`) {100 * send / sdk:.0f}%")  # fmt: skip
     stats.sort_stats("tottime").print_stats(args.top)
     return out
 

@@ -809,8 +809,9 @@ def _json_values(text: str | None) -> list[Any]:
         pass
     decoder = json.JSONDecoder()
     # a value opened at i must close after i: starts past the last closer are not tried, which
-    # keeps a reply looping on an opener ("[[[[...", '{"a": [{"a": [...') linear, not ~1,000 steps
-    # of the decoder's nesting per start (6 s for 32,000 "[")
+    # keeps a reply that loops on an opener to its end ("[[[[...", '{"a": [{"a": [...') linear, not
+    # ~1,000 steps of the decoder's nesting per start (6 s for 32,000 "["); a closer after the loop
+    # (a JSON answer written after it) brings those steps back
     last_close = {"{": stripped.rfind("}"), "[": stripped.rfind("]")}
     found, i = [], 0
     while i < len(stripped):

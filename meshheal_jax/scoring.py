@@ -117,8 +117,13 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
         answer = text[matches[-1].end() :].split("\n", 1)[0]
     else:
         return None
-    answer = _strip_wrappers(_ANSWER_PREFIX.sub("", _strip_wrappers(answer), count=1))
+    answer = _strip_wrappers(_drop_answer_prefix(answer))
     return answer or None
+
+
+def _drop_answer_prefix(text: str) -> str:
+    """`text` without markup and a leading "The (final) answer (is):" (extract_answer's rule)."""
+    return _ANSWER_PREFIX.sub("", _strip_wrappers(text), count=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +146,7 @@ def _normalise_text(text: str) -> str:
 def _past_answer_prefix(text: str) -> str:
     """An option's text as extract_answer leaves it when a reply quotes it: an option that starts
     "The answer ..." (MMLU-Pro qids 1841, 8341) loses those words to the answer prefix."""
-    return _normalise_text(_ANSWER_PREFIX.sub("", _strip_wrappers(text), count=1))
+    return _normalise_text(_drop_answer_prefix(text))
 
 
 _LETTER_ONLY = re.compile(r"^[(\[]?([A-Za-z])[)\]]?[.:]?$")

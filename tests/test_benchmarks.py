@@ -155,6 +155,9 @@ def test_profile_client_splits_the_clients_cpu():
     assert float(out.split("client CPU per call: ")[1].split(" ms")[0]) > 0, out
     share = float(out.split("the openai SDK's `post`: ")[1].split("(")[1].split("%")[0])
     assert 0 < share < 100, out
+    parts = out.split("of the SDK's `post`: ")[1].splitlines()[0]
+    build, send = (float(part.split("%")[0].split()[-1]) for part in parts.split(", "))
+    assert 0 < build < 100 and 0 < send < 100 and build + send <= 100, out
 
 
 def test_profile_client_ab_telemetry_prints_both_arms():

@@ -509,8 +509,17 @@ def test_json_values_skips_only_openers_that_cannot_close(pieces):
     assert prompts._json_values(text) == _json_values_trying_every_opener(text)
 
 
-def test_json_values_of_a_reply_looping_on_openers():
+def test_json_values_of_a_reply_looping_on_openers(monkeypatch):
     """A reply that repeats an opener to its token limit holds no JSON, and what comes before the
-    loop is still found."""
-    assert prompts._json_values("[" * 32_000) == []
+    loop is still found; no opener of the loop is decoded (none can close)."""
+    starts = []
+
+    class Counting(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):
+            starts.append(idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(prompts.json, "JSONDecoder", Counting)
+    assert prompts._json_values("[" * 32_000) == [] and starts == []
     assert prompts._json_values('{"score": 1} ' + '{"a": [' * 5_000) == [{"score": 1}]
+    assert starts == [0]

@@ -317,9 +317,10 @@ def test_mmlu_pro_quoting_an_option_reads_as_that_option():
 
 
 def test_an_option_starting_the_answer_is_read_when_quoted():
-    """An option whose text starts "The answer ..." (MMLU-Pro qid 8341's B, D and F below) reads as
-    itself when a reply quotes it, though extract_answer takes those words as the answer prefix;
-    an exact option text still wins over one past the prefix."""
+    """An option whose text starts "The answer ..." (options modelled on MMLU-Pro qid 8341's) reads
+    as itself when a reply quotes it, though extract_answer takes those words as the answer prefix;
+    an exact option text still wins over one past the prefix, and two options equal past it name
+    no letter."""
     options = (
         "The jury pool is 10% women.",
         "The answer cannot be determined without knowing the size of the jury pool.",
@@ -339,6 +340,7 @@ def test_an_option_starting_the_answer_is_read_when_quoted():
     ).correct
     assert scoring.option_letter("5", ("The answer is 5", "5")) == "B"
     assert scoring.option_letter("7", ("The answer is 5", "5")) is None
+    assert scoring.option_letter("5", ("The answer is 5", "Answer: 5", "6")) is None
 
 
 def test_a_one_letter_option_outside_the_letters_is_read_as_its_text():
