@@ -547,10 +547,9 @@ def section_b(
         import openai
 
         from meshheal_jax.backends.live import (
-            _PLATFORM_HEADERS,
             _http_library,
-            _no_telemetry,
             _post_options,
+            _sdk_client,
             chat_body,
             request_params,
         )
@@ -562,8 +561,7 @@ def section_b(
                             "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}}).encode()  # fmt: skip
         http = lib.AsyncClient(transport=lib.MockTransport(
             lambda _: lib.Response(200, content=reply, headers={"content-type": "application/json"})))  # fmt: skip
-        client = openai.AsyncOpenAI(base_url="http://stand-in.invalid/v1", api_key="EMPTY", http_client=http,
-                                    max_retries=0, default_headers=_no_telemetry(openai, _PLATFORM_HEADERS))  # fmt: skip
+        client = _sdk_client(openai, "http://stand-in.invalid/v1", "EMPTY", http)
         bodies = [chat_body("strong", r.messages, request_params(r, r.n, r.seed, None))
                   for r in bench_requests(count, seed_base=60_000)]  # fmt: skip
         options = _post_options(openai)

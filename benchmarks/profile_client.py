@@ -45,8 +45,8 @@ def _cumulative(stats: pstats.Stats, file_part: str, function: str) -> float:
     )
 
 
-async def profile(url: str, in_flight: int, size: int, batches: int, latency: float, stand_in) -> dict:
-    group = ServerGroup("strong", (url,), max_in_flight=in_flight)
+async def profile(stand_in, latency: float, in_flight: int, size: int, batches: int) -> dict:
+    group = ServerGroup("strong", (stand_in.url,), max_in_flight=in_flight)
     async with LiveClient([group], retry=lt.BENCH_RETRY) as client:
         await client.run_batch(lt.bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
         stand_in.reset(latency)
@@ -69,7 +69,7 @@ async def profile(url: str, in_flight: int, size: int, batches: int, latency: fl
     }
 
 
-async def cpu_per_call(url: str, in_flight: int, size: int, batches: int, telemetry: bool) -> float:
+async def cpu_per_call(stand_in, in_flight: int, size: int, batches: int, telemetry: bool) -> float:
     """ms of client CPU per call, median over `batches` batches of `size` (after a warm-up batch),
     with the SDK's telemetry headers sent (`telemetry`) or not (LiveClient's own requests)."""
     kept = live._PLATFORM_HEADERS, live._PER_REQUEST_HEADERS
@@ -77,7 +77,7 @@ async def cpu_per_call(url: str, in_flight: int, size: int, batches: int, teleme
         live._PLATFORM_HEADERS, live._PER_REQUEST_HEADERS = (), ()
     try:
         async with LiveClient(
-            [ServerGroup("strong", (url,), max_in_flight=in_flight)], retry=lt.BENCH_RETRY
+            [ServerGroup("strong", (stand_in.url,), max_in_flight=in_flight)], retry=lt.BENCH_RETRY
         ) as client:
             await client.run_batch(lt.bench_requests(in_flight, seed_base=20_000))  # warm-up, dropped
             out = []
@@ -94,14 +94,13 @@ async def cpu_per_call(url: str, in_flight: int, size: int, batches: int, teleme
 def ab_telemetry(args) -> dict:
     arms = {"without telemetry headers (LiveClient)": False, "with the SDK's telemetry headers": True}
     results: dict[str, list[float]] = {name: [] for name in arms}
-    with lt.FixedLatencyStandIn(args.latency) as stand_in:
-        stand_in.reset(args.latency)
+    with lt.FixedLatencyStandIn(args.latency) as stand_in:  # started at that latency
         for turn in range(args.ab_telemetry):
             order = list(arms) if turn % 2 == 0 else list(reversed(arms))
             for name in order:
                 results[name].append(
                     asyncio.run(
-                        cpu_per_call(stand_in.url, args.in_flight, args.requests, args.batches, arms[name])
+                        cpu_per_call(stand_in, args.in_flight, args.requests, args.batches, arms[name])
                     )
                 )
     print(f"client CPU per call, ms ({args.in_flight} in flight, {args.batches} batches of {args.requests:,} "
@@ -125,9 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ab_telemetry:
         return ab_telemetry(args)
     with lt.FixedLatencyStandIn(args.latency) as stand_in:
-        run = asyncio.run(
-            profile(stand_in.url, args.in_flight, args.requests, args.batches, args.latency, stand_in)
-        )
+        run = asyncio.run(profile(stand_in, args.latency, args.in_flight, args.requests, args.batches))
     stats = pstats.Stats(run["profiler"])
     waiting = sum(
         row[2]

@@ -297,6 +297,13 @@ def _no_telemetry(openai_module: Any, names: Sequence[str]) -> dict:
     return {name: openai_module.Omit() for name in names}
 
 
+def _sdk_client(openai_module: Any, base_url: str, api_key: str, http_client: Any) -> Any:
+    """An `AsyncOpenAI` as LiveClient opens one: no SDK retries (LiveClient retries itself), no
+    telemetry headers."""
+    return openai_module.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0,
+                                     default_headers=_no_telemetry(openai_module, _PLATFORM_HEADERS))  # fmt: skip
+
+
 def _post_options(openai_module: Any) -> dict:
     """Request options under which the SDK's `post` authenticates as `chat.completions.create`
     does: the bearer API key only (SDKs with per-request security options default `post` to also
@@ -572,10 +579,7 @@ class LiveClient:
                     lanes = []
                     for _ in range(n_lanes):
                         http = _http_client(self._openai, per_lane, self.retry)
-                        lanes.append((self._openai.AsyncOpenAI(base_url=url, api_key=self._api_key,
-                                                               http_client=http, max_retries=0,
-                                                               default_headers=_no_telemetry(self._openai, _PLATFORM_HEADERS)),
-                                      http))  # fmt: skip
+                        lanes.append((_sdk_client(self._openai, url, self._api_key, http), http))
                     server = _Server(ServerStats(url, role), lanes, asyncio.Semaphore(group.max_in_flight))
                     servers.append(server)
                     self._servers[role] = servers
