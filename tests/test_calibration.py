@@ -111,6 +111,11 @@ def test_degraded_gap_on_a_hand_built_stream():
     # the stream's degraded phase is the first part, whatever A3 does
     *parts, _ = degraded_gap(tasks, states.filter(pl.col("t") != 4), schedule)
     assert [(p["tasks"], p["accuracy"]) for p in parts] == [(4, 0.5)] + [(0, None)] * 5
+    # only A3 ever isolated: the stream is in "degraded agents not both isolated by the stream's
+    # end" (the parts go "by whether every degraded agent had been isolated at least once since it
+    # degraded"), whatever its routes
+    *parts, total = degraded_gap(tasks, states.filter(pl.col("agent") == 2), schedule)
+    assert [p["tasks"] for p in parts] == [0, 4, 0, 0, 0, 0] and total["tasks"] == 4
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -288,6 +293,10 @@ def test_a_rounded_row_never_holds_a_negative_probability():
         (dict(fit_seeds=(100, 100)), "--fit-seeds must be one or more distinct seeds, got [100, 100]"),
         (dict(generations=-1), "--generations must be >= 0, got -1"),
         (dict(sigma=float("nan")), "--sigma must be a finite number > 0, got nan"),
+        (dict(sigma=0.0), "--sigma must be a finite number > 0, got 0.0"),
+        (dict(sigma=float("inf")), "--sigma must be a finite number > 0, got inf"),
+        (dict(difficulty_sigma=0.0), "--difficulty-sigma must be a finite number > 0, got 0.0"),
+        (dict(difficulty_sigma=float("nan")), "--difficulty-sigma must be a finite number > 0, got nan"),
     ],
 )
 def test_a_fit_with_settings_it_cannot_run_is_refused_before_anything(settings, message, tmp_path):

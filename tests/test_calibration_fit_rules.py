@@ -2,9 +2,10 @@
 scores each candidate on one of its own parameters. The SNES step (module docstring; Schaul et al.
 2011), the best candidate, the score (loss + prior, decisions R4), the settings a fit refuses, the
 seeded search, what `--write` and `--no-tokens` change, and the command a written file's header
-names; and two rules of its calibration_report helpers (evaluate, degraded_gap): rules a mutation
-of calibration_fit or of those helpers passed every other test with (a mutation pass over
-calibration_fit)."""
+names; and two rules of its calibration_report helpers (loss, evaluate): rules a mutation of
+calibration_fit or of those helpers passed every other test with (a mutation pass over
+calibration_fit; the step-size refusals and a degraded_gap case it found sit in
+tests/test_calibration.py's tests of the same things)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,12 @@ from collections import defaultdict
 from typing import ClassVar
 
 import numpy as np
-import polars as pl
 import pytest
 import tyro
 
 from meshheal_jax import calibration_fit as fit
-from meshheal_jax.calibration_report import degraded_gap, evaluate, loss
+from meshheal_jax.calibration_report import evaluate, loss
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.streams import persistent_schedule
 
 START = fit.MODEL_DIR / "fit_start"
 TARGET = "pair B: accuracy, degraded phase, mean of 3"
@@ -150,22 +149,6 @@ def test_the_default_pair_scores_its_targets_without_a_prior(tmp_path, decoded):
     docs, rows, value = fit.fit(cfg, OneKnobEvaluator(0.99, priority="primary"))
     assert docs != fit.decode(decoded[0], fit.base_docs(), fit.knobs_for("default"))  # a candidate won
     assert value == pytest.approx(loss(rows), rel=1e-12)
-
-
-@pytest.mark.parametrize(
-    "settings, message",
-    [
-        (dict(sigma=0.0), "--sigma must be a finite number > 0, got 0.0"),
-        (dict(sigma=math.inf), "--sigma must be a finite number > 0, got inf"),
-        (dict(difficulty_sigma=0.0), "--difficulty-sigma must be a finite number > 0, got 0.0"),
-        (dict(difficulty_sigma=math.nan), "--difficulty-sigma must be a finite number > 0, got nan"),
-    ],
-)
-def test_step_sizes_must_be_finite_and_positive(settings, message, tmp_path):
-    """check_search: both initial step sizes (FitConfig.sigma, difficulty_sigma) are refused unless
-    finite and > 0, before anything is evaluated or written."""
-    with pytest.raises(MeshHealError, match=message):
-        fit.check_search(pair_b(tmp_path, **settings))
 
 
 def test_zero_generations_is_a_fit_that_returns_the_start_files(tmp_path):
@@ -428,17 +411,3 @@ def test_a_target_met_at_the_edge_of_its_tolerance_passes():
     rows = {r["target"]: r for r in evaluate({"default": [context]})}
     assert rows["mean q0, healthy-author outputs"]["pass"]
     assert not rows["mean q0, degraded-author outputs"]["pass"]  # 0.08 +- 0.03
-
-
-def test_a_stream_where_one_degraded_agent_is_never_isolated_is_its_own_gap_part():
-    """calibration_report.degraded_gap: the parts go "by whether every degraded agent had been
-    isolated at least once since it degraded"; a stream where only one of the two was is in
-    "degraded agents not both isolated by the stream's end", whatever its routes."""
-    schedule = persistent_schedule(6, 8, (2, 4))  # A3 and A5 degraded from task 5
-    labels = {"dataset": "bbh", "pair": "default", "seed": 0}
-    tasks = pl.DataFrame({**{k: [v] * 8 for k, v in labels.items()}, "t": list(range(1, 9)),
-                          "phase": [0] * 4 + [1] * 4, "route": ["0", "1", "0-1", "3", "2-0", "1", "4", "0"],
-                          "correct": [True, True, True, False, False, True, False, True]})  # fmt: skip
-    states = pl.DataFrame({**{k: [v] for k, v in labels.items()}, "t": [5], "agent": [2], "to": ["isolated"]})
-    *parts, total = degraded_gap(tasks, states, schedule)
-    assert [p["tasks"] for p in parts] == [0, 4, 0, 0, 0, 0] and total["tasks"] == 4
