@@ -283,8 +283,8 @@ def _import_openai():
 
 
 # the SDK's telemetry headers, for OpenAI's API: a local server reads none of them, and the
-# HTTP library's header objects cost CPU per header on every request (3.6-5.9% of the client's CPU
-# per call at 256 in flight: `python benchmarks/profile_client.py --ab-telemetry 6`). The names are
+# HTTP library's header objects cost CPU per header on every request (a small saving: decisions
+# L4, `python benchmarks/profile_client.py --ab-telemetry 6`). The names are
 # spelt as the SDK spells them: openai 1.x merges its default headers case-sensitively.
 _PLATFORM_HEADERS = ("X-Stainless-Lang", "X-Stainless-Package-Version", "X-Stainless-OS", "X-Stainless-Async",
                      "X-Stainless-Arch", "X-Stainless-Runtime", "X-Stainless-Runtime-Version")  # fmt: skip
