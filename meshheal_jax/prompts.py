@@ -810,15 +810,19 @@ def _json_values(text: str | None) -> list[Any]:
     decoder = json.JSONDecoder()
     # a value opened at i must close after i: starts past the last closer are not tried, which
     # keeps a reply that loops on an opener to its end ("[[[[...", '{"a": [{"a": [...') linear, not
-    # ~1,000 steps of the decoder's nesting per start (6 s for 32,000 "["); a closer after the loop
-    # (a JSON answer written after it) brings those steps back
+    # ~1,000 steps of the decoder's nesting per start (6 s for 32,000 "["); where a closer follows
+    # such a loop, _next_start skips the loop's openers that cannot close
     last_close = {"{": stripped.rfind("}"), "[": stripped.rfind("]")}
-    found, i = [], 0
+    found, i, chain_end = [], 0, 0
     while i < len(stripped):
         if stripped[i] in "{[" and i < last_close[stripped[i]]:
             try:
                 value, end = decoder.raw_decode(stripped, i)
-            except (ValueError, RecursionError):
+            except RecursionError:
+                # the first time in a chain, skip its hopeless openers; later in it, go one by one
+                i, chain_end = _next_start(stripped, i) if i >= chain_end else (i + 1, chain_end)
+                continue
+            except ValueError:
                 i += 1
                 continue
             if isinstance(value, (dict, list)):
@@ -827,6 +831,34 @@ def _json_values(text: str | None) -> list[Any]:
         else:
             i += 1
     return found
+
+
+# one step into a chain of openers, each holding the next as an element or a value: "[" and any
+# elements before it, or "{" and any members before its key and ":"; an element here is a scalar
+# (a string without brackets or escapes, or a run of letters, digits, ".", "+" and "-"), so no
+# text a step reads can open or close a value
+_WS, _SCALAR, _KEY = r"[ \t\n\r]*", r'(?:"[^"\\\[\]{}]*"|[-+.\w]+)', r'"[^"\\\[\]{}]*"'
+_CHAIN_STEP = re.compile(
+    rf"(?:\[{_WS}(?:{_SCALAR}{_WS},{_WS})*|\{{{_WS}(?:{_KEY}{_WS}:{_WS}{_SCALAR}{_WS},{_WS})*{_KEY}{_WS}:{_WS})"
+)
+
+
+def _next_start(text: str, i: int) -> tuple[int, int]:
+    """Where to try next after the decoder gave up on the nesting of the value opened at i, and
+    where the chain of openers from i ends. A value opened at the m-th opener of a chain of k has
+    k - m containers to close after the chain, so the openers with more of them than closers
+    follow the chain cannot open a value; each would cost the decoder ~1,000 steps to refuse.
+    The openers between i and the first that can close are skipped (none is, if that is i). Still
+    slow: loops the steps cannot read (a key with a bracket or an escape, a list or an object
+    before the nested opener) and loops followed by about as many closers as they have openers."""
+    starts, pos = [], i
+    while (step := _CHAIN_STEP.match(text, pos)) is not None:
+        starts.append(pos)
+        pos = step.end()
+    hopeless = len(starts) - (text.count("]", pos) + text.count("}", pos))
+    if hopeless <= 0:
+        return i + 1, pos
+    return (starts[hopeless] if hopeless < len(starts) else pos), pos
 
 
 # ---------------------------------------------------------------------------------------------

@@ -523,3 +523,75 @@ def test_json_values_of_a_reply_looping_on_openers(monkeypatch):
     assert prompts._json_values("[" * 32_000) == [] and starts == []
     assert prompts._json_values('{"score": 1} ' + '{"a": [' * 5_000) == [{"score": 1}]
     assert starts == [0]
+
+
+# loops of openers a closer follows: each start in them makes the decoder nest past its ~1,000
+# limit, the case `_next_start` skips (1,100 units: just past the limit, so the oracle stays quick)
+DEEP_LOOPS = [
+    "[" * 1_100 + "]",
+    "[" * 1_100 + "]]",
+    '{"a": [' * 1_100 + "]}",
+    '{"score": 1} ' + "[ " * 1_100 + '] {"x": 2}',
+    "[\n" * 1_100 + "1]",
+    "[1, " * 1_100 + "]",
+    '{"a": 1, "b": [' * 1_100 + "2]}",
+    '[true, "x", -1.5e3, ' * 1_100 + "null]",
+    "[" * 1_100 + "]" * 300,
+    '{"[1]": [' * 1_100 + "]",  # a key with a bracket ends a chain: that start is tried
+    '{"k": "v", "[": [' * 1_100 + "]}",
+    "[" * 1_100 + '"]"]',
+]
+
+
+@pytest.mark.parametrize("text", DEEP_LOOPS, ids=range(len(DEEP_LOOPS)))
+def test_json_values_of_a_loop_a_closer_follows(text):
+    """Skipping the openers of a loop that cannot close finds what trying every opener finds."""
+    assert prompts._json_values(text) == _json_values_trying_every_opener(text)
+
+
+@given(
+    st.lists(
+        st.sampled_from(["{", "[", "]", "}", ",", ":", " ", "1", '"a"', '"["', "\\"]), min_size=1, max_size=6
+    ),
+    st.lists(st.sampled_from(["{", "}", "[", "]", ",", ":", "1", '"a"', " "]), max_size=12),
+)
+@settings(max_examples=25, deadline=None)
+def test_json_values_of_random_loops(unit, tail):
+    """The same for a random unit repeated 1,100 times, then a random tail."""
+    text = "".join(unit) * 1_100 + "".join(tail)
+    assert prompts._json_values(text) == _json_values_trying_every_opener(text)
+
+
+@pytest.mark.parametrize("loop", ["[", '{"a": [', "[1, ", '{"k": 0, "a": ['])
+def test_json_values_decodes_few_starts_of_a_long_loop(monkeypatch, loop):
+    """32,000 units of a loop and two closers: the decoder tries the first opener and the last few
+    (each tried opener of the loop costs it ~1,000 steps; 6.6 s for 32,000 "[" then "]")."""
+    text = loop * 32_000 + "]}"
+    expected = _json_values_trying_every_opener(text[-len(loop) * 2 - 2 :])  # the last two units
+    starts = []
+
+    class Counting(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):
+            starts.append(idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(prompts.json, "JSONDecoder", Counting)
+    assert prompts._json_values(text) == expected
+    assert len(starts) <= 3, starts
+
+
+def test_json_values_reads_a_chain_of_openers_once(monkeypatch):
+    """A loop of openers followed by as many closers: no opener can be skipped, and the chain is
+    read once, not again from each of its openers (which would be quadratic)."""
+    steps = []
+
+    class Counting:
+        def match(self, text, pos):
+            steps.append(pos)
+            return chain_step.match(text, pos)
+
+    chain_step = prompts._CHAIN_STEP
+    monkeypatch.setattr(prompts, "_CHAIN_STEP", Counting())
+    text = "[" * 1_100 + "]" * 1_100
+    assert prompts._json_values(text) == _json_values_trying_every_opener(text)
+    assert len(steps) == 1_101
