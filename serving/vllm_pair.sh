@@ -335,7 +335,8 @@ fi
 
 strong_cmd=(vllm serve "$STRONG_MODEL" --served-model-name strong --host "$HOST" --port "$STRONG_PORT"
   --gpu-memory-utilization "$STRONG_MEM" --max-model-len "$STRONG_MAX_MODEL_LEN"
-  --max-num-seqs "$STRONG_MAX_NUM_SEQS" --enable-prefix-caching --generation-config vllm)
+  --max-num-seqs "$STRONG_MAX_NUM_SEQS" --enable-prefix-caching --enable-prompt-tokens-details
+  --generation-config vllm)
 (( STRONG_TP > 1 )) && strong_cmd+=(--tensor-parallel-size "$STRONG_TP")
 [[ "$STRONG_DP_MODE" == vllm ]] && (( STRONG_DP > 1 )) && strong_cmd+=(--data-parallel-size "$STRONG_DP")
 strong_cmd_at() {  # port -> strong_at: the strong command serving on that port
@@ -348,7 +349,8 @@ strong_cmd_at() {  # port -> strong_at: the strong command serving on that port
 }
 weak_cmd=(vllm serve "$WEAK_MODEL" --served-model-name weak --host "$HOST" --port "$WEAK_PORT"
   --gpu-memory-utilization "$WEAK_MEM" --max-model-len "$WEAK_MAX_MODEL_LEN"
-  --max-num-seqs "$WEAK_MAX_NUM_SEQS" --enable-prefix-caching --generation-config vllm)
+  --max-num-seqs "$WEAK_MAX_NUM_SEQS" --enable-prefix-caching --enable-prompt-tokens-details
+  --generation-config vllm)
 (( WEAK_TP > 1 )) && weak_cmd+=(--tensor-parallel-size "$WEAK_TP")
 
 show() {  # a command as one pasteable line (GPU list first)

@@ -66,6 +66,7 @@ def test_one_gpu_layout(tmp_path):
     for line, port, mem in ((strong, 8000, "0.77"), (weak, 8001, "0.15")):
         assert f"--port {port}" in line and f"--gpu-memory-utilization {mem}" in line
         assert "--host 127.0.0.1" in line and "--enable-prefix-caching" in line
+        assert "--enable-prompt-tokens-details" in line  # else vLLM reports no prefix-cache hits
         assert (
             "--generation-config vllm" in line
             and "--max-model-len 32768" in line
