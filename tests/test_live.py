@@ -30,6 +30,7 @@ from meshheal_jax.backends.live import (
     PARSE_RETRIED,
     RETRY_SEED_OFFSET,
     CallRequest,
+    CallResponse,
     LiveClient,
     RequestRejectedError,
     RetryPolicy,
@@ -1047,6 +1048,20 @@ def test_bad_requests_are_refused_before_sending():
         ServerGroup("strong", ("localhost:8000",))
 
 
+def test_trace_rows_say_which_review_scores_the_client_moved():
+    """A low score with no evidence is read as 0.5 and a reviewer's own 0.25 stands: the trace
+    keeps the score used and says which one the client moved, so the two can be told apart."""
+    texts = (prompts.review_reply(0.0, "contribute", evidence=""), prompts.review_reply(0.25, "contribute"))
+    response = CallResponse(
+        texts=texts, parsed=tuple(prompts.parse_review(t, "contribute") for t in texts),
+        parse_status=(PARSE_OK, PARSE_OK), finish_reason=("stop", "stop"), prompt_tokens=2,
+        completion_tokens=2, prefix_shared_tokens=0, cached_prompt_tokens=0, latency_s=0.1, retries=0,
+        parse_retries=0, http_calls=1, from_cache=False, model_id=STRONG_ROOT,
+    )  # fmt: skip
+    (row,) = trace_rows([review_request(0, n=2)], [response])
+    assert row["scores"] == [0.5, 0.25] and row["adjustments"] == ["unsupported_low_score", ""]
+
+
 # ----------------------------------------------------------------------------------------------
 # Synchronous host loop and traces
 
@@ -1073,6 +1088,7 @@ def test_sync_client_and_trace_rows():
         assert [r.texts for r in first] == [r.texts for r in second]
         rows = trace_rows(requests, first)
         assert rows[0]["kind"] == "review" and rows[0]["scores"] == [1.0, 1.0, 1.0]
+        assert rows[0]["adjustments"] == ["", "", ""] and rows[1]["adjustments"] is None
         assert rows[1]["answers"] == ["(A)"] and rows[1]["model_id"] == STRONG_ROOT
         assert rows[0]["prompt_tokens"] == 3 * PROMPT_TOKENS
     finally:

@@ -1090,12 +1090,16 @@ class SyncLiveClient:
 
 
 def trace_rows(requests: Sequence[CallRequest], responses: Sequence[CallResponse]) -> list[dict]:
-    """One row per call for calls.parquet: who, which model, tokens, latency, parse status and
-    the parsed score (reviews) or answer (executions); sample-level values joined in order."""
+    """One row per call for live_trace.parquet: who, which model, tokens, latency, parse status and
+    the parsed score and the client's adjustment of it (reviews) or answer (executions);
+    sample-level values joined in order."""
     rows = []
     for request, response in zip(requests, responses, strict=True):
         scores = [getattr(value, "score", None) for value in response.parsed]
         answers = [getattr(value, "answer", None) for value in response.parsed]
+        # a review score the client moved (prompts._verdict): "unsupported_low_score" (to 0.5) or
+        # "no_final_answer" (capped at 0.25); "" where the reviewer's score stands
+        adjustments = [getattr(value, "adjustment", None) for value in response.parsed]
         rows.append(
             {
                 "stream": request.stream,
@@ -1119,6 +1123,7 @@ def trace_rows(requests: Sequence[CallRequest], responses: Sequence[CallResponse
                 if all(s is None for s in scores)
                 else [math.nan if s is None else s for s in scores],
                 "answers": None if all(a is None for a in answers) else answers,
+                "adjustments": None if all(a is None for a in adjustments) else adjustments,
                 "from_cache": response.from_cache,
             }
         )
