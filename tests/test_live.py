@@ -1048,6 +1048,21 @@ def test_bad_requests_are_refused_before_sending():
         ServerGroup("strong", ("localhost:8000",))
 
 
+def test_backoff_is_jittered_exponential_capped_and_floored_by_retry_after():
+    """Attempt k waits uniform(0, min(cap, base * 2**k)) (full jitter), at least a Retry-After
+    (itself capped), as RetryPolicy says."""
+    client = LiveClient([ServerGroup("strong", ("http://127.0.0.1:1/v1",))],
+                        retry=RetryPolicy(backoff_base_s=0.5, backoff_cap_s=30.0, retry_after_cap_s=120.0))  # fmt: skip
+    for attempt, ceiling in ((0, 0.5), (1, 1.0), (3, 4.0), (6, 30.0), (9, 30.0)):
+        delays = [client._backoff_s(attempt, None) for _ in range(2_000)]
+        assert 0.0 <= min(delays) and max(delays) <= ceiling
+        assert min(delays) < 0.05 * ceiling and max(delays) > 0.95 * ceiling  # spread over the range
+        assert abs(sum(delays) / len(delays) - ceiling / 2) < 0.05 * ceiling  # uniform's mean
+    assert all(client._backoff_s(0, 7.0) == 7.0 for _ in range(100))  # the server's wait wins
+    assert all(client._backoff_s(0, 1e6) == 120.0 for _ in range(100))  # up to its cap
+    assert all(1.0 <= client._backoff_s(3, 1.0) <= 4.0 for _ in range(100))  # a short one floors it
+
+
 def test_trace_rows_say_which_review_scores_the_client_moved():
     """A low score with no evidence is read as 0.5 and a reviewer's own 0.25 stands: the trace
     keeps the score used and says which one the client moved, so the two can be told apart."""
