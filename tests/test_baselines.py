@@ -29,6 +29,7 @@ from meshheal_jax.baselines import (
 )
 from meshheal_jax.baselines import common as C
 from meshheal_jax.config import ProtocolParams
+from meshheal_jax.errors import MeshHealError
 from meshheal_jax.params import load_pair
 from meshheal_jax.streams import HealthSchedule, make_stream, persistent_schedule
 from meshheal_jax.topology import build_network, load_profile
@@ -310,6 +311,43 @@ def test_autogen_manager_is_on_every_path_and_makes_every_control_call():
             assert call["agent"] == manager
 
 
+@pytest.mark.parametrize(
+    "method, params, message",
+    [
+        ("autogen", autogen.AutoGenParams(corrupts="strong"), "corrupts must be"),
+        ("autogen", autogen.AutoGenParams(selection_retries=2), "selection_retries"),
+        ("autogen", autogen.AutoGenParams(max_rounds=4), "max_rounds 4"),
+        ("autogen", autogen.AutoGenParams(manager=6), "manager 6"),
+        ("raps", raps.RAPSParams(judge_rule="receiver"), "RAPS: judge_rule must be"),
+        ("sac", sac.SACParams(judge_rule="Ability"), "SAC: judge_rule must be"),
+        ("sac", sac.SACParams(n_teams=1), "n_teams"),
+        ("symphony", symphony.SymphonyParams(n_plans=2, n_extra=3), "first n_extra ranks"),
+    ],
+)
+def test_bad_baseline_parameters_are_refused(method, params, message):
+    with pytest.raises(MeshHealError, match=message):
+        simulate(method, [spec(0)], PAIR, params)
+
+
+def test_autogen_only_a_weak_manager_corrupts():
+    """baselines.md: "a weak manager corrupts a correct answer": with a healthy manager (strong
+    model) every composed answer is the finalizing worker's; with corrupts="both" (the default until
+    the twenty-sixth session) the strong model's compose loses ~2% of right answers."""
+    healthy = HealthSchedule(6, N_TASKS, ())
+    specs = [spec(s, healthy) for s in SEEDS]
+    lost = {}
+    for corrupts in ("weak", "both"):
+        _, out = simulate("autogen", specs, PAIR, autogen.AutoGenParams(corrupts=corrupts))
+        calls = out.calls
+        compose = (calls.kind == C.K_COMPOSE) & calls.valid
+        assert np.all(compose.sum(axis=-1) == 1) and np.all(calls.role[compose] == C.STRONG)
+        generate = (calls.kind == C.K_GENERATE) & calls.valid
+        finalize = np.where(generate, np.arange(calls.kind.shape[-1]), -1).max(-1)  # the last generation
+        right = np.take_along_axis(calls.correct, finalize[..., None], -1)[..., 0] == 1
+        lost[corrupts] = int((right & ~np.asarray(out.correct)).sum())
+    assert lost["weak"] == 0 and lost["both"] > 0, lost
+
+
 def test_autogen_degraded_manager_hurts():
     only_manager = HealthSchedule(6, N_TASKS, ((2, N_TASKS // 2 + 1, N_TASKS + 1),))
     healthy = HealthSchedule(6, N_TASKS, ())
@@ -488,12 +526,18 @@ def test_full_stream_tables_match_schemas_and_count_every_call(method):
 def test_model_backed_rule_on_every_call(method):
     rows = tables(method)[0]
     degraded = persistent_schedule(6, N_TASKS, NETWORK.degraded_targets).degraded_matrix()
-    ability_bound = {"generate", "cot", "refine"}
+    ability_bound = {
+        "generate",
+        "cot",
+        "refine",
+        "watchdog",
+        "evaluate",
+    }  # the last two: judge_rule "ability"
     for call in rows["calls"]:
         healthy = not degraded[call["t"], call["agent"]]
         if call["kind"] in ability_bound:
             strong = healthy and bool(NETWORK.holds[call["agent"], call["ability"]])
-        else:  # infer, router, select, compose, and (judge_rule "caller") watchdog, evaluate
+        else:  # infer, router, select, compose
             strong = healthy
         assert call["model"] == (PAIR.strong.model if strong else PAIR.weak.model), call
 

@@ -5,15 +5,20 @@ infers the required abilities and, for each missing ability, makes a speaker-sel
 naming the next worker: a holder of the ability with prob `p_select[manager model]`, else a
 random worker. Workers Contribute / Finalize as usual (a worker that does not hold the ability
 answers with the weak model, by the model-backed rule), and the manager composes the final
-reply (one call); composing corrupts a correct answer with prob `p_corrupt[manager model]`.
+reply (one call); a weak manager corrupts a correct answer with prob `p_corrupt[model]`.
 Defaults: max 10 rounds, one selection retry, no review.
 
 Mapping decisions (ours), each a named parameter below:
 - `p_select` = the model file's `p_decide` (the emulator's success rate of decision calls);
-- `p_corrupt` = 1 − `p_keep` of the manager's model (a compose keeps a right answer right as a
-  synthesis does; with the shipped files 0.020 for gpt-oss-120b and 0.181 for Llama-3.2-1B, and a
-  refit of `p_keep` moves it too) unless given; it applies to a healthy manager as well; a wrong answer
-  stays wrong with its distractor id; a corrupted one takes a distractor of the manager's model;
+- `corrupts`: which manager model corrupts. "weak" (default, baselines.md: "a weak manager
+  corrupts"): a compose on the weak model (a degraded manager, by the model-backed rule) corrupts
+  with `p_corrupt[weak]`, one on the strong model keeps the answer; "both": the strong model's
+  compose corrupts too, with `p_corrupt[strong]` (the default until the twenty-sixth session,
+  decisions B3);
+- `p_corrupt` = 1 − `p_keep` of each model (a compose keeps a right answer right as a synthesis
+  does; with the shipped files 0.020 for gpt-oss-120b and 0.181 for Llama-3.2-1B, and a refit of
+  `p_keep` moves it too) unless given as (strong, weak); a wrong answer stays wrong with its
+  distractor id; a corrupted one takes a distractor of the manager's model;
 - the manager is not a worker (`manager_works=False`), as the GroupChatManager is not among the
   speakers; workers = every other agent; a correct selection is a uniform holder among workers;
 - retry trigger: the named worker does not hold the ability (it declines the turn); one retry
@@ -43,11 +48,14 @@ PARTS = 2  # abilities per task under every profile (abilities.md)
 class AutoGenParams:
     manager: int = 2  # A3 (0-based)
     p_corrupt: tuple[float, float] | None = None  # (strong, weak); None: 1 − p_keep of the model files
+    corrupts: str = C.static_field("weak")  # "weak" | "both": which manager model corrupts
     max_rounds: int = C.static_field(10)
     selection_retries: int = C.static_field(1)
     manager_works: bool = C.static_field(False)
 
     def check(self) -> None:
+        if self.corrupts not in ("weak", "both"):
+            raise MeshHealError(f"AutoGen: corrupts must be 'weak' or 'both', got {self.corrupts!r}")
         if self.selection_retries not in (0, 1):
             raise MeshHealError("AutoGen: selection_retries must be 0 or 1")
         turns = PARTS * (1 + self.selection_retries) + 1
@@ -90,6 +98,8 @@ def task_step(
     role_m = C.role_of(world, m, -1, t)
     workers = jnp.ones(n, bool) if params.manager_works else jnp.arange(n) != m
     p_corrupt = (1.0 - emu.p_keep) if params.p_corrupt is None else jnp.asarray(params.p_corrupt, jnp.float64)
+    if params.corrupts == "weak":
+        p_corrupt = p_corrupt.at[C.STRONG].set(0.0)
     inferred, pair_ok, call_infer = C.emulate_infer(emu, world, m, t, ty, d.infer)
     required = world.pair_abilities[inferred]
     abilities = (C.first_true(required), C.last_true(required))

@@ -402,6 +402,14 @@ def live_reply(op: str, world: World, t, valid, *, after=0, vectors=None, **fiel
 # ------------------------------------------------------------------------------------------------
 
 
+JUDGE_RULES = ("ability", "caller")  # RAPS watchdogs, SAC evaluations (decisions B0)
+
+
+def check_judge_rule(method: str, rule: str) -> None:
+    if rule not in JUDGE_RULES:
+        raise MeshHealError(f"{method}: judge_rule must be one of {JUDGE_RULES}, got {rule!r}")
+
+
 def role_of(world: World, agent, ability, t):
     """Model-backed rule: STRONG iff the agent is healthy at task t and (no ability, or held)."""
     agent = jnp.maximum(agent, 0)

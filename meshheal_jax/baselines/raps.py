@@ -13,10 +13,13 @@ Mapping decisions (ours), each a named parameter below:
 - its verdict is one review sample (reviewer model, author model, judged part correct?) with
   s = 1[score <= 0.40] (`watchdog_threshold`), drawn with the uniforms MeshHeal uses for the
   first review sample of that output (calls[author's visit, REVIEW_SAMPLES[0]]): paired;
-- `judge_rule`: which model serves the watchdog. "caller" (default): a watchdog is a protocol
-  call tied to no ability, so strong iff the receiver is healthy; "ability": the model-backed
-  rule on the judged ability (the receiver of a two-agent path never holds it, so a healthy
-  receiver judges with the weak model);
+- `judge_rule`: which model serves the watchdog. "ability" (default): the model-backed rule on
+  the judged ability (protocol.md §1: a call by i about ability s is strong iff i is healthy and
+  holds s; a watchdog verdict is a review sample of an ability-s output, and architecture.md's
+  calls tied to no ability do not list it), so the receiver of a two-agent path, which never
+  holds that ability, judges with the weak model: the "cheap LLM call" of baselines.md;
+  "caller": tied to no ability, strong iff the receiver is healthy (the default until the
+  twenty-sixth session, decisions B0);
 - the first uniform pick among the allowed holders uses the visit's HOP_TIE draw and the missing
   ability the visit's HOP_ABILITY draw (as MeshHeal's next hop); when no neighbour holds the
   missing ability the task relays one hop along the shared shortest path instead;
@@ -41,11 +44,14 @@ class RAPSParams:
     prior_x: float = 1.0  # Beta(1, 1)
     prior_y: float = 1.0
     watchdog_threshold: float = 0.40  # s = 1 iff the watchdog's review sample <= tau_to (0.40)
-    judge_rule: str = C.static_field("caller")  # "caller" | "ability"
+    judge_rule: str = C.static_field("ability")  # "ability" | "caller"
     budget: C.Budget = C.static_field(C.Budget())
     next_hop_ties: str = C.static_field(
         "random"
     )  # the relay's shortest-path tie rule (protocol.next_hop_ties)
+
+    def check(self) -> None:
+        C.check_judge_rule("RAPS", self.judge_rule)
 
 
 @C.pytree

@@ -17,9 +17,10 @@ Mapping decisions (ours), each a named parameter below:
   sample drawn once per round inside the team's first evaluation call (no extra call); an answer
   is below iff its score < the anchor; if more than F are below, the F lowest are dropped (ties:
   the later team);
-- `judge_rule` as in RAPS: "caller" (default; an evaluation is tied to no ability: strong iff
-  the evaluator is healthy) or "ability" (the model-backed rule on the judged answer's finalize
-  ability);
+- `judge_rule` as in RAPS: "ability" (default; the model-backed rule on the judged answer's
+  finalize ability: an evaluation is a review call, not one of architecture.md's calls tied to
+  no ability) or "caller" (strong iff the evaluator is healthy; the default until the
+  twenty-sixth session, decisions B0);
 - refine (model-backed rule on the team's finalize ability, i.e. strong iff healthy): a right
   answer stays right with `p_keep[model]`; a wrong one becomes right with `p_fix[model]` only if
   a retained answer is right, else stays wrong with its distractor id; a right answer turned
@@ -47,13 +48,14 @@ NEUTRAL_ANCHOR = 0.5  # live: the anchor of a team that evaluated no other answe
 @C.pytree
 class SACParams:
     max_filtered: int = 1  # F: at most F answers dropped per team per round
-    judge_rule: str = C.static_field("caller")  # "caller" | "ability"
+    judge_rule: str = C.static_field("ability")  # "ability" | "caller"
     n_teams: int = C.static_field(3)
     rounds: int = C.static_field(2)
     budget: C.Budget = C.static_field(C.Budget())
     next_hop_ties: str = C.static_field("random")  # the shared routing's tie rule (protocol.next_hop_ties)
 
     def check(self, n_agents: int) -> None:
+        C.check_judge_rule("SAC", self.judge_rule)
         if not 2 <= self.n_teams <= min(n_agents, C.N_PARALLEL + 1):
             raise MeshHealError(
                 f"SAC: n_teams must be in 2..min(agents, {C.N_PARALLEL + 1}), got {self.n_teams}"

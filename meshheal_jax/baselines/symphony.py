@@ -17,8 +17,8 @@ Mapping decisions (ours), each a named parameter below:
 - the three plans use three DISTINCT executors per ability: the top-3 of the ranking (stage-A
   candidates by UCB, then the other matched agents by UCB with available = 0 in x, as the code's
   simulator falls back when no top-L candidate is available, then the rest by UCB); ties in match
-  or UCB by lower index; the two rerun plans use ranks 1 and 2 again (chain-of-thought resamples
-  of the best executors, call kind "cot");
+  or UCB by lower index; the two rerun plans use the first two ranks again (ranks 0 and 1:
+  chain-of-thought resamples of the best executors, call kind "cot");
 - latency_norm of a call = min(1, mean generate completion tokens of the serving model ×
   `decode_ms_per_token` / 2000 ms), a constant per model; the agent's latency feature is an EMA
   (β = 0.2, start 500 ms as in the code) of what it observed; the emulator always returns a
@@ -84,7 +84,7 @@ class SymphonyParams:
         if self.n_plans + self.n_extra > 1 + C.N_PARALLEL:
             raise MeshHealError("Symphony: at most 1 + N_PARALLEL plans (task draws and field 100's rows)")
         if self.n_extra > self.n_plans:
-            raise MeshHealError("Symphony: the rerun plans reuse ranks 1..n_extra, so n_extra <= n_plans")
+            raise MeshHealError("Symphony: the rerun plans reuse the first n_extra ranks, so n_extra <= n_plans")
 
 
 @C.pytree
