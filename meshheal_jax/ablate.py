@@ -11,7 +11,6 @@ change, calls and tokens per task, and detection.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.config import CHECKPOINT_EVERY_S, VARIANTS, ProtocolParams
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.files import default_out
 from meshheal_jax.report import BEFORE_ONSET, detection_text, print_parse_notes
 
 
@@ -37,7 +37,7 @@ class AblateConfig(CommonFlags):
 def combined_out(name: str, out: Path | None) -> Path:
     """The folder holding one run folder per variant/detector and the combined summary.json."""
     if out is None:
-        return Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        return default_out(name)
     if (out / "config.json").exists():
         raise MeshHealError(f"output folder {out} is the run folder of one experiment; choose another --out")
     if out.exists() and not out.is_dir():

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.errors import MeshHealError, MeshHealWarning
-from meshheal_jax.files import read_text
+from meshheal_jax.files import chosen_outs, read_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +305,7 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
     the stop, later ones are ignored until main() has returned (`_terminate`)."""
     warnings.formatwarning = _warning_line
     main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    earlier = len(chosen_outs())  # folders chosen before this command (tests run several in one process)
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         main()
@@ -319,7 +320,8 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
               "seeds, tasks or --slots)", file=sys.stderr)  # fmt: skip
         sys.exit(1)
     except KeyboardInterrupt as err:
-        print(stopped, file=sys.stderr)
+        chosen = chosen_outs()[earlier:]  # the folder a command given no --out made: named, not guessed
+        print(f"{stopped}; this run's folder: {chosen[0]}" if chosen else stopped, file=sys.stderr)
         sys.exit(143 if isinstance(err, Terminated) else 130)
     finally:
         if main_thread and before is not None:  # None: a handler set outside Python, left as it is

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 
 from meshheal_jax.errors import MeshHealError
+
+_CHOSEN: list[Path] = []  # the run folders commands of this process chose for themselves (no --out)
+
+
+def default_out(name: str) -> Path:
+    """runs/<name>-<timestamp>: the folder of a command given no --out (a stopped command names it,
+    `chosen_outs`, so the user knows which folder the same command resumes with --out)."""
+    out = Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    _CHOSEN.append(out)
+    return out
+
+
+def chosen_outs() -> tuple[Path, ...]:
+    """The folders `default_out` chose in this process, in order."""
+    return tuple(_CHOSEN)
 
 
 def read_text(path: Path, what: str) -> str:

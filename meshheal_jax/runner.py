@@ -46,7 +46,7 @@ from meshheal_jax.data import (
     question_tokens,
 )
 from meshheal_jax.errors import MeshHealError, MeshHealWarning
-from meshheal_jax.files import flush
+from meshheal_jax.files import default_out, flush
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
     BLOCK_PER_TYPE,
@@ -652,8 +652,7 @@ def check_window_memory(
 def prepare_run_dir(exp: Experiment, out: Path | None) -> Path:
     """Create a new run folder, or reopen one holding the same experiment (resume)."""
     if out is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path("runs") / f"{exp.name}-{stamp}"
+        out = default_out(exp.name)
     config_path = out / "config.json"
     previous = check_run_dir(exp, out)
     if previous is not None:

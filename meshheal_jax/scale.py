@@ -18,7 +18,6 @@ false_isolations, missed, edges, edge_fraction, max_ability_distance, ...).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 from meshheal_jax import runner
 from meshheal_jax.cli import CommonFlags, backend_fields, entrypoint, fmt, new_table, print_table
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.files import default_out
 from meshheal_jax.report import BEFORE_ONSET, print_parse_notes
 
 PAPER_EDGES = {96: 228, 288: 705, 576: 1454}  # undirected edges of the paper's sparse graphs
@@ -107,7 +107,7 @@ def print_summary(summary: dict) -> None:
 
 
 def body(cfg: ScaleConfig) -> None:
-    out = cfg.out or Path("runs") / f"scale-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    out = cfg.out or default_out("scale")
     if out.exists() and not out.is_dir():
         raise MeshHealError(f"output path {out} exists and is not a folder")
     results, engine, backend, slots = [], None, None, None

@@ -50,6 +50,7 @@ from meshheal_jax import metrics, runner
 from meshheal_jax.cli import CommonFlags, entrypoint, fmt, live_settings, new_table, print_table
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.errors import MeshHealError
+from meshheal_jax.files import default_out
 from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
 
 TRADEOFF_PNG = "tradeoff.png"
@@ -617,7 +618,7 @@ def experiment(cfg: SweepConfig) -> runner.Experiment:
 
 def prepare_out(out: Path | None) -> Path:
     if out is None:
-        out = Path("runs") / f"sweep-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        out = default_out("sweep")
     if out.exists() and not out.is_dir():
         raise MeshHealError(f"output path {out} exists and is not a folder")
     if out.exists() and any(out.iterdir()):

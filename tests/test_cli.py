@@ -488,6 +488,32 @@ def test_ctrl_c_sigterm_and_system_errors_print_one_line(stop, monkeypatch, caps
     assert err == message if message else err.startswith("error: out of memory (") and "\n" not in err
 
 
+def test_a_stopped_command_given_no_out_names_the_folder_it_made(monkeypatch, capsys):
+    """The stop line says which runs/<experiment>-<time> folder the same command resumes with --out."""
+    from meshheal_jax import cli as cli_module
+    from meshheal_jax import files
+
+    made = []
+
+    def stopped_after_choosing(_config) -> None:
+        made.append(files.default_out("main"))
+        raise KeyboardInterrupt
+
+    def stopped(_config) -> None:  # a command given --out chooses no folder
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["command"])
+    nothing = dataclasses.make_dataclass("Nothing", [])
+    with pytest.raises(SystemExit) as ended:
+        cli_module.entrypoint(nothing, stopped_after_choosing, "a command")
+    assert ended.value.code == 130
+    assert capsys.readouterr().err.strip() == f"{cli_module.STOPPED}; this run's folder: {made[0]}"
+    assert made[0].parent.name == "runs" and made[0].name.startswith("main-")
+    with pytest.raises(SystemExit):  # the next command in this process names no earlier folder
+        cli_module.entrypoint(nothing, stopped, "a command")
+    assert capsys.readouterr().err.strip() == cli_module.STOPPED
+
+
 def test_a_command_refuses_a_folder_holding_arms_it_does_not_run(tmp_path):
     """ablate / detectors / scale: every arm already in --out must be one the command runs, or the
     combined summary would drop it (or mix its settings with the new arms')."""

@@ -84,7 +84,9 @@ class SymphonyParams:
         if self.n_plans + self.n_extra > 1 + C.N_PARALLEL:
             raise MeshHealError("Symphony: at most 1 + N_PARALLEL plans (task draws and field 100's rows)")
         if self.n_extra > self.n_plans:
-            raise MeshHealError("Symphony: the rerun plans reuse the first n_extra ranks, so n_extra <= n_plans")
+            raise MeshHealError(
+                "Symphony: the rerun plans reuse the first n_extra ranks, so n_extra <= n_plans"
+            )
 
 
 @C.pytree
