@@ -301,8 +301,9 @@ def test_agentnet_records_one_router_call_per_forward(agentnet_runs, graph):
         forwards = task["actions"].split(",").count("forward")
         assert forwards == len(route) - 1 == task["moves"]
         routers = by_task.get(task["t"], [])
-        assert len(routers) == forwards + (task["end"] == "no route"), task
-        assert [(c["visit"], c["agent"]) for c in routers] == list(enumerate(route))[: len(routers)], task
+        want = forwards + (task["end"] == "no route")
+        assert len(routers) == want, f"task {task['t']}: {len(routers)} router calls, {forwards} forwards"
+        assert [(c["visit"], c["agent"]) for c in routers] == list(enumerate(route))[:want], task["t"]
         total += forwards
         task_calls = [c for c in calls if c["t"] == task["t"]]
         assert task["calls"] == len(task_calls)
@@ -336,7 +337,7 @@ def test_autogen_manager_composes_every_reply_in_one_recorded_call(autogen_run):
     for task in tasks:
         mine = by_task[task["t"]]
         composes = [c for c in mine if c["kind"] == "compose"]
-        assert len(composes) == 1, task
+        assert len(composes) == 1, f"task {task['t']}: {len(composes)} compose calls"
         (compose,) = composes
         assert mine[-1] is compose and compose["agent"] == params.manager == compose["author"]
         assert compose["visit"] == 2 * autogen.PARTS
