@@ -1736,8 +1736,12 @@ def default_lanes(n_streams: int, mesh: jax.sharding.Mesh | None = None) -> int:
     (at most one per stream); with a mesh or on an accelerator, 1 (docs/decisions.md S7)."""
     if mesh is not None or jax.default_backend() != "cpu" or jax.device_count() > 1:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, n_streams))
+    return max(1, min(usable_cores(), n_streams))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (a `taskset` or a job scheduler's limit counted)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def lane_streams(n_streams: int, lanes: int) -> list[list[int]]:

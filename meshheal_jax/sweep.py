@@ -33,7 +33,6 @@ import datetime
 import itertools
 import json
 import math
-import os
 import sys
 import time
 import typing
@@ -786,9 +785,12 @@ def write_report(run_dir: Path | str) -> Path:
 def jax_device() -> str:
     import jax
 
+    from meshheal_jax.engine import usable_cores
+
     backend, kind = jax.default_backend(), jax.devices()[0].device_kind
     if backend == "cpu":
-        return f"cpu, {os.cpu_count()} cores"
+        cores = usable_cores()
+        return f"cpu, {cores} core{'s' if cores != 1 else ''}"
     return f"{backend}: {kind}"
 
 

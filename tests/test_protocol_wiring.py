@@ -47,7 +47,9 @@ def engine_for(network, params=P, n_tasks=84, seed=0, schedule=None) -> R.Refere
     return R.ReferenceEngine(network, params, load_pair("default"), stream, schedule, draws)
 
 
-def set_states(engine: R.ReferenceEngine, states: dict[int, str], timers: dict[int, int] | None = None) -> None:
+def set_states(
+    engine: R.ReferenceEngine, states: dict[int, str], timers: dict[int, int] | None = None
+) -> None:
     world = engine.world
     for agent, state in states.items():
         world.state[agent] = state
@@ -104,7 +106,9 @@ def test_isolated_relay_agent_makes_no_call_and_writes_nothing():
     assert relays_through_x >= 5, "the stream relays tasks through the isolated agent"
     assert all(task["answered"] for task in records.tasks)
     assert not [c for c in records.calls if c["agent"] == x], "an isolated relay makes no LLM call"
-    assert not [r for r in records.reviews if x in (r["author"], r["reviewer"], r["committee_a"], r["committee_b"])]
+    assert not [
+        r for r in records.reviews if x in (r["author"], r["reviewer"], r["committee_a"], r["committee_b"])
+    ]
     assert assert_moves_follow_edges(network, records.tasks) > 84
 
 
@@ -127,7 +131,9 @@ def test_reviewers_are_normal_neighbours_under_fixed_states():
     for row in records.reviews:
         assert row["author"] != isolated
         s = row["ability"]
-        eligible = [j for j in network.neighbours(row["author"]) if holds[j, s] and j not in (watched, isolated)]
+        eligible = [
+            j for j in network.neighbours(row["author"]) if holds[j, s] and j not in (watched, isolated)
+        ]
         members = [row["reviewer"]] + ([row["committee_a"], row["committee_b"]] if row["committee"] else [])
         assert all(j in eligible for j in members), row
         for j in excluded:
@@ -152,11 +158,15 @@ def ring_streams():
         n = 168
         stream = make_stream(seed, MATH.dataset_id, n, 7, (1, 85), ("healthy", "degraded"))
         draws = D.stream_draws(seed, MATH.dataset_id, n)
-        engine = R.ReferenceEngine(network, P, load_pair("default"), stream, persistent_schedule(6, n, (2, 4)), draws)
+        engine = R.ReferenceEngine(
+            network, P, load_pair("default"), stream, persistent_schedule(6, n, (2, 4)), draws
+        )
         windows = []
         for t in range(1, n + 1):
             engine.run_task(t)
-            windows.append({k: (w.count, sorted(w.slots[: w.filled()])) for k, w in engine.world.scores.items()})
+            windows.append(
+                {k: (w.count, sorted(w.slots[: w.filled()])) for k, w in engine.world.scores.items()}
+            )
         out.append((engine.records, windows))
     return network, out
 
@@ -173,7 +183,9 @@ def test_reviewers_are_normal_neighbours_holding_the_ability_on_a_ring(ring_stre
             author, s = row["author"], row["ability"]
             near = network.neighbours(author)
             eligible = [j for j in near if network.holds[j, s] and state[j] == R.NORMAL]
-            members = [row["reviewer"]] + ([row["committee_a"], row["committee_b"]] if row["committee"] else [])
+            members = [row["reviewer"]] + (
+                [row["committee_a"], row["committee_b"]] if row["committee"] else []
+            )
             assert all(j in eligible for j in members), (row, eligible)
             far_holders += any(network.holds[j, s] for j in range(6) if j != author and j not in near)
             state[author] = row["state_after"]
@@ -445,5 +457,8 @@ def test_wrong_pair_is_drawn_among_the_other_pairs():
                 u = np.array([0.999999, (k + frac) / len(others), 0.5])
                 ctx = dict(t=1, visit=0, author=-1)
                 assert emu.infer(ctx, 0, 1, true_pair, n_pairs, u) == other
-        assert emu.infer(dict(t=1, visit=0, author=-1), 0, 1, true_pair, n_pairs, np.array([0.0, 0.5, 0.5])) == true_pair
+        assert (
+            emu.infer(dict(t=1, visit=0, author=-1), 0, 1, true_pair, n_pairs, np.array([0.0, 0.5, 0.5]))
+            == true_pair
+        )
     assert [c["correct"] for c in emu.calls].count(False) == n_pairs * (n_pairs - 1) * 3

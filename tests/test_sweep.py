@@ -222,3 +222,13 @@ def test_the_reproduce_command_leaves_out_the_used_out_folder(tmp_path):
     sweep_command, report_command = sweep.reproduce_commands({"argv": argv}, tmp_path)
     assert sweep_command == "python -m meshheal_jax.sweep --grid alpha=1.0,1.4 --seeds 2 --quiet"
     assert report_command == f"python -m meshheal_jax.report {tmp_path}"
+
+
+def test_the_footer_counts_the_cores_the_process_may_use(monkeypatch):
+    """Under `taskset -c 1` the footer says 1 core, as the lanes count them (engine.usable_cores)."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1}, raising=False)
+    assert sweep.jax_device() == "cpu, 1 core"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert sweep.jax_device() == "cpu, 3 cores"
