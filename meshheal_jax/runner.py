@@ -324,6 +324,10 @@ class Experiment:
                 raise MeshHealError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
         if len(set(self.methods)) != len(self.methods):
             raise MeshHealError(f"methods must be distinct, got {list(self.methods)}")
+        if not 1 <= self.slots <= max(self.n_agents // 6, 1):
+            raise MeshHealError(
+                f"slots must be in 1..{max(self.n_agents // 6, 1)} (at most N/6), got {self.slots}"
+            )
         if self.baselines() and self.slots != 1:
             raise MeshHealError(
                 "baselines run one task at a time: use --slots 1 (or only --methods meshheal)"
@@ -336,10 +340,6 @@ class Experiment:
             raise MeshHealError(f"unknown engine {self.engine!r}; known: jax, reference")
         if self.engine == "reference" and self.slots != 1:
             raise MeshHealError("the reference engine runs one task at a time: use --slots 1 or --engine jax")
-        if not 1 <= self.slots <= max(self.n_agents // 6, 1):
-            raise MeshHealError(
-                f"slots must be in 1..{max(self.n_agents // 6, 1)} (at most N/6), got {self.slots}"
-            )
         if self.topology not in ("complete", "sparse", "file") or (self.topology == "file") != (
             self.edges_file is not None
         ):

@@ -75,6 +75,9 @@ def test_baselines_refuse_several_slots():
     dataclasses.replace(exp, methods=("meshheal",)).validate()  # MeshHeal alone may run 2 slots
     with pytest.raises(MeshHealError, match="baselines run one task at a time: use --slots 1"):
         dataclasses.replace(exp, methods=("meshheal", "sac")).validate()
+    for slots in (0, 3):  # out of range for any method: the range is named, not the baselines' rule
+        with pytest.raises(MeshHealError, match=f"slots must be in 1..2 \\(at most N/6\\), got {slots}"):
+            dataclasses.replace(exp, methods=("meshheal", "sac"), slots=slots).validate()
 
 
 def test_commands_default_to_the_spec_s_experiments():
