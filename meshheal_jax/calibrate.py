@@ -1360,22 +1360,25 @@ def twin_check(run_dirs: Sequence[Path], twin_dir: Path, n_boot: int = 200, seed
     return out
 
 
-def print_aggregates(rows: list[dict], title: str, level: float) -> None:
+def print_aggregates(rows: list[dict], title: str, level: float, undetermined: bool = False) -> None:
+    """`undetermined`: intervals of width 0 (one stream), so "—", not "NO", in the verdict cells."""
+    verdict = (lambda ok: "—") if undetermined else (lambda ok: "yes" if ok else "NO")
     agg = new_table(title, "quantity", "traced", f"{level:.0%} interval", "twin", "inside", "twin − traced",
                     f"{level:.0%} interval ", "consistent")  # fmt: skip
     for a in rows:
         digits = 3 if a["quantity"].startswith("accuracy") else 1
         span = f"{{:,.{digits}f}}–{{:,.{digits}f}}"
         agg.add_row(a["quantity"], f"{a['traced']:,.{digits}f}", span.format(*a["interval"]), f"{a['twin']:,.{digits}f}",
-                    "yes" if a["inside"] else "NO", f"{a['difference']:+,.{digits}f}",
-                    span.format(*a["difference_interval"]), "yes" if a["consistent"] else "NO")  # fmt: skip
+                    verdict(a["inside"]), f"{a['difference']:+,.{digits}f}",
+                    span.format(*a["difference_interval"]), verdict(a["consistent"]))  # fmt: skip
     print_table(agg)
 
 
 def print_twin_check(check: list[dict], level: float) -> None:
     for c in check:
         print_aggregates(c["aggregates"], f"Twin check: {c['run']} vs its configuration emulated with the fitted "
-                         f"files ({c['twin']}; intervals: bootstrap over streams)", level)  # fmt: skip
+                         f"files ({c['twin']}; intervals: bootstrap over streams)", level,
+                         bool(c.get("undetermined")))  # fmt: skip
         off = [a["quantity"] for a in c["aggregates"] if not (a["inside"] and a["consistent"])]
         if c.get("undetermined"):
             print(f"undetermined: {c['run']} holds one stream, and the intervals are over streams (each has width 0); "

@@ -123,6 +123,7 @@ def test_twin_check_emulates_the_traced_configuration(trip, tmp_path, capsys):
     C.print_twin_check(one, 0.95)
     said = capsys.readouterr().out
     assert "undetermined: " in said and "holds one stream" in said and "not reproduced" not in said
+    assert " NO " not in said and " yes " not in said and " — " in said  # no verdict from width-0 intervals
     bare = tmp_path / "no-config"
     bare.mkdir()
     shutil.copy(out / "traced" / "tasks.parquet", bare)
