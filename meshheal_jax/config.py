@@ -30,7 +30,8 @@ class ProtocolParams:
     sigma_com: float = 0.55  # review disagreement threshold
     window_scores: int = 8  # W_mu (DECISION)
     window_shortfalls: int = 8  # W_x (DECISION)
-    min_observations: int = 3  # shortfalls before z is formed; also "enough matched evidence"
+    min_observations: int = 3  # shortfalls (and scores, for the other detectors) before z is formed
+    min_matched: int = 3  # §5 step 7's "enough matched evidence" for a peer's pool entry (DECISION: 3)
     z_scale_floor: float = 0.10  # z = (xbar - m) / max(m - p25, floor)
     probe_interval: int = 10
     warmup_per_six: int = 30  # warm-up tasks per six agents (DECISION)
@@ -91,7 +92,7 @@ class ProtocolParams:
             raise MeshHealError("move_limit above 8 needs more per-visit draws (draws.N_VISITS)")
         if not 0 < self.alpha <= self.beta:
             raise MeshHealError(f"need 0 < alpha <= beta, got alpha={self.alpha}, beta={self.beta}")
-        for name in ("window_scores", "window_shortfalls", "min_observations", "probe_interval",
+        for name in ("window_scores", "window_shortfalls", "min_observations", "min_matched", "probe_interval",
                      "consecutive_to_isolate", "route_limit", "move_limit"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise MeshHealError(f"protocol parameter {name} must be >= 1, got {getattr(self, name)}")

@@ -111,6 +111,7 @@ class Params:
     tau_to: jax.Array
     sigma_com: jax.Array
     min_obs: jax.Array
+    min_matched: jax.Array
     z_floor: jax.Array
     probe_interval: jax.Array
     warmup: jax.Array
@@ -167,6 +168,7 @@ def make_params(protocol: ProtocolParams, pair: Pair, profile, n_agents: int) ->
     return Params(
         alpha=f(protocol.alpha), beta=f(protocol.beta), consecutive=i(protocol.consecutive_to_isolate),
         tau_to=f(protocol.tau_to), sigma_com=f(protocol.sigma_com), min_obs=i(protocol.min_observations),
+        min_matched=i(protocol.min_matched),
         z_floor=f(protocol.z_scale_floor), probe_interval=i(protocol.probe_interval),
         warmup=i(protocol.warmup_tasks(n_agents)), route_limit=i(protocol.route_limit),
         move_limit=i(protocol.move_limit), tol=f(protocol.threshold_tol),
@@ -725,7 +727,7 @@ def observe_relative(
     n_x = n_x + record
     own = window_mean(shortfall_row, n_x)
     score_row, score_count, score_mean = _own_score(net, i, task_type, s, q, evidence)
-    pool_mask = normal[:, None] & (pool_counts >= p.min_obs)
+    pool_mask = normal[:, None] & (pool_counts >= p.min_matched)
     flat = jnp.where(pool_mask, pool_values, jnp.inf).reshape(-1)
     n_pool = pool_mask.sum()
     ordered = sort_floats(flat)

@@ -476,7 +476,7 @@ class ReferenceNetwork:
             if j == i or self.state[j] != NORMAL:
                 continue
             for s2 in range(self.n_abilities):
-                if self.n_shortfalls[(j, task_type, s2)] >= self.p.min_observations:
+                if self.n_shortfalls[(j, task_type, s2)] >= self.p.min_matched:
                     pool.append(self.shortfalls[(j, task_type, s2)].mean())
         if not pool:
             return out

@@ -11,7 +11,7 @@ streams are exactly the streams a single run with that configuration makes.
 `--grid` takes one or more NAME=VALUES words after a single flag (or `--grid` repeated); VALUES is
 a comma list `1.0,1.2,1.4` or an inclusive range `START:STOP:COUNT` (`1.0:1.8:5`). NAME is any
 numeric field of ProtocolParams but the window sizes (alpha, beta, consecutive_to_isolate, tau_to,
-sigma_com, min_observations, z_scale_floor, probe_interval, warmup_per_six, route_limit,
+sigma_com, min_observations, min_matched, z_scale_floor, probe_interval, warmup_per_six, route_limit,
 move_limit, threshold_tol, and the absolute_* / cusum_* parameters of the detector that reads
 them), or an emulator scalar of one model of the pair, `strong.NAME` / `weak.NAME` (p_infer,
 p_rescue, rho_same, p_follow, p_fix, p_keep, p_popular_wrong, answer_fraction). Rejected, with the
@@ -66,6 +66,7 @@ DETECTOR_FIELDS = {
     "beta": ("relative", "absolute"),
     "consecutive_to_isolate": ("relative", "absolute"),
     "z_scale_floor": ("relative",),
+    "min_matched": ("relative",),
     "absolute_threshold": ("absolute",),
     "absolute_scale": ("absolute",),
     "cusum_target": ("cusum",),

@@ -186,6 +186,19 @@ def test_hop_per_task_convergence_equals_reference_and_routes_on_stale_tables():
         ProtocolParams(convergence="slow")
 
 
+def test_the_matched_evidence_minimum_is_its_own_parameter_in_both_engines():
+    """min_matched (§5 step 7's DECISION "enough matched evidence") moves the peer pool only: with
+    it at 6, both engines agree (so both read it, not min_observations, for the pool), and z is
+    formed on fewer outputs (pools fill later) than at the default 3."""
+    spec = main_spec("bbh", 0, n_tasks=252)
+    tables = assert_equal_to_reference([spec], dataclasses.replace(PROTOCOL, min_matched=6))[0]
+    default = engine.run_streams([spec], PROTOCOL, lanes=1)[0]
+    with_z = lambda t: int(t["reviews"]["z"].is_not_null().sum())
+    assert with_z(tables) < with_z(default)
+    with pytest.raises(MeshHealError, match="min_matched must be >= 1"):
+        ProtocolParams(min_matched=0)
+
+
 def test_hop_per_task_convergence_main_stream_equals_reference():
     """A 504-task MMLU-Pro stream on the complete graph: an isolation's news reaches every agent
     in one step there, and the engines still agree record by record."""
