@@ -522,8 +522,11 @@ class ReferenceEngine:
         self.records = StreamRecords([], [], [], [])
 
     def run(self) -> StreamRecords:
+        """Every task of the stream; the records include the emulator's calls (an emulated call has
+        no latency and always parses)."""
         for t in range(1, self.stream.n_tasks + 1):
             self.run_task(t)
+        self.records.calls = [dict(c, latency_s=0.0, parse_status="ok") for c in self.backend.calls]
         return self.records
 
     def run_task(self, t: int) -> None:
@@ -726,7 +729,4 @@ def run_stream(network: Network, params: ProtocolParams, pair: Pair, stream: Str
                schedule: HealthSchedule, labels: dict | None = None) -> StreamRecords:  # fmt: skip
     """Run one stream on the reference engine; the draws come from draws.stream_draws."""
     draws = D.stream_draws(stream.seed, stream.dataset_id, stream.n_tasks)
-    engine = ReferenceEngine(network, params, pair, stream, schedule, draws, labels)
-    records = engine.run()
-    records.calls = [dict(c, latency_s=0.0, parse_status="ok") for c in engine.backend.calls]
-    return records
+    return ReferenceEngine(network, params, pair, stream, schedule, draws, labels).run()

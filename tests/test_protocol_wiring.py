@@ -48,10 +48,8 @@ def engine_for(network, params=P, n_tasks=84, seed=0, schedule=None) -> R.Refere
 
 
 def run_all(engine: R.ReferenceEngine) -> R.StreamRecords:
-    """engine.run(), with the backend's call log as the records' calls (as run_stream gives them)."""
-    records = engine.run()
-    records.calls = engine.backend.calls
-    return records
+    """engine.run(): its records hold the calls (the tests below check some were made)."""
+    return engine.run()
 
 
 def set_states(
@@ -112,7 +110,7 @@ def test_isolated_relay_agent_makes_no_call_and_writes_nothing():
             relays_through_x += action == "relay" and i == x
     assert relays_through_x >= 5, "the stream relays tasks through the isolated agent"
     assert all(task["answered"] for task in records.tasks)
-    assert not [c for c in records.calls if c["agent"] == x], "an isolated relay makes no LLM call"
+    assert len(records.calls) > 84 * 4 and not [c for c in records.calls if c["agent"] == x], "no call by x"
     assert not [
         r for r in records.reviews if x in (r["author"], r["reviewer"], r["committee_a"], r["committee_b"])
     ]
@@ -150,7 +148,7 @@ def test_reviewers_are_normal_neighbours_under_fixed_states():
     assert min(excluded.values()) > 10, "both excluded agents hold abilities that were reviewed"
     writers = {c["agent"] for c in records.calls if c["kind"] in ("review", "committee1", "committee2",
                                                                    "candidate", "synthesis")}  # fmt: skip
-    assert watched not in writers and isolated not in writers
+    assert len(writers) >= 3 and watched not in writers and isolated not in writers
     assert any(row["author"] == watched for row in records.reviews)
 
 
@@ -350,7 +348,7 @@ def probe_run():
     """The ring, agent 2 isolated (and healthy) for the whole stream, made probe-eligible again
     before every task (timer = t - probe_interval)."""
     network, x = ring(), 2
-    n = 84
+    n = 168
     engine = engine_for(network, FROZEN, n_tasks=n)
     set_states(engine, {x: R.ISOLATED})
     for t in range(1, n + 1):
@@ -389,13 +387,14 @@ def test_probes_go_to_eligible_neighbours_holding_a_missing_ability(probe_run):
                 assert j == x and i in network.neighbours(x), task
                 assert acts[k + 1][0] in ("contribute", "finalize") and acts[k + 1][1] == x, task
     assert n_probes >= 20
-    tasks = {task["t"]: task for task in records.tasks}
-    not_holder_nearby = [
-        row for row in records.reviews
-        if row["action"] == "finalize" and not row["probe"] and row["author"] in network.neighbours(x)
-        and not network.holds[x, row["ability"]] and "probe" not in tasks[row["t"]]["actions"]
+    # a task with no probe that visits a neighbour of the (always eligible) agent: its M there is
+    # not held by it (the second visit, after a Contribute of the ability it does hold)
+    passed_by = [
+        task for task in records.tasks if "probe" not in task["actions"]
+        and any(i in network.neighbours(x) for action, i, _ in steps(task) if action != "infer")
     ]  # fmt: skip
-    assert len(not_holder_nearby) >= 0, "visits next to the eligible agent that lacks M's ability"
+    assert len(passed_by) >= 3, "visits next to the eligible agent that lacks M's ability"
+    tasks = {task["t"]: task for task in records.tasks}
     far_entries = [t for t in tasks.values() if t["entry"] not in network.neighbours(x) + [x]]
     assert any("probe" in t["actions"] for t in far_entries), "probes after a Contribute, away from the entry"
 
@@ -449,6 +448,31 @@ def test_next_hop_picks_the_missing_ability_with_the_visit_draw():
         assert holds[to, missing[k]], (task, missing, k)
         picked[k] += 1
     assert picked[0] >= 3 and picked[1] >= 3, picked
+
+
+def test_next_hop_ties_are_drawn_with_the_visit_draw():
+    """§2: the next hops for s are the neighbours one hop nearer an eligible provider (BFS here),
+    in increasing index, and a tie is broken by the visit's tie draw, not by the lowest index. On
+    the ring, all normal, every Handoff after the Contribute heads for the Finalize's ability."""
+    network = ring()
+    engine = engine_for(network, FROZEN, n_tasks=84)
+    records = run_all(engine)
+    far = {}
+    for s in range(7):
+        holders = [j for j in range(6) if network.holds[j, s]]
+        far[s] = [min(min(abs(i - j), 6 - abs(i - j)) for j in holders) for i in range(6)]
+    ties = defaultdict(int)
+    for task in records.tasks:
+        t = task["t"]
+        (s,) = [c["ability"] for c in engine.backend.calls if c["t"] == t and c["kind"] == "generate"][-1:]
+        moves = [(i, j) for action, i, j in steps(task) if action in MOVES]
+        assert [a for a in task["actions"].split(",") if a in MOVES] == ["handoff"] * len(moves), task
+        for k, (i, j) in enumerate(moves):
+            hops = [n for n in network.neighbours(i) if far[s][n] == far[s][i] - 1]
+            assert j == hops[R.pick(float(engine.draws.route[t - 1][k][D.HOP_TIE]), len(hops))], task
+            if len(hops) > 1:
+                ties[hops.index(j)] += 1
+    assert ties[0] >= 3 and ties[1] >= 3, ties
 
 
 def test_wrong_pair_is_drawn_among_the_other_pairs():
