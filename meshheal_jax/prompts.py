@@ -818,12 +818,12 @@ def _json_values(text: str | None) -> list[Any]:
         if stripped[i] in "{[" and i < last_close[stripped[i]]:
             try:
                 value, end = decoder.raw_decode(stripped, i)
-            except RecursionError:
-                # the first time in a chain, skip its hopeless openers; later in it, go one by one
-                i, chain_end = _next_start(stripped, i) if i >= chain_end else (i + 1, chain_end)
-                continue
-            except ValueError:
-                i += 1
+            except (ValueError, RecursionError) as err:
+                # at the head of a chain of openers, skip those that cannot close; inside the chain
+                # already read, or refused within SKIP_CHAIN characters (too soon for a chain that
+                # long), go one by one
+                soon = isinstance(err, json.JSONDecodeError) and err.pos - i < SKIP_CHAIN
+                i, chain_end = (i + 1, chain_end) if soon or i < chain_end else _next_start(stripped, i)
                 continue
             if isinstance(value, (dict, list)):
                 found.append(value)
@@ -838,23 +838,28 @@ def _json_values(text: str | None) -> list[Any]:
 # (a string without brackets or escapes, or a run of letters, digits, ".", "+" and "-"), so no
 # text a step reads can open or close a value
 _WS, _SCALAR, _KEY = r"[ \t\n\r]*", r'(?:"[^"\\\[\]{}]*"|[-+.\w]+)', r'"[^"\\\[\]{}]*"'
+SKIP_CHAIN = 16  # _next_start counts the closers after a chain of at least this many openers
 _CHAIN_STEP = re.compile(
     rf"(?:\[{_WS}(?:{_SCALAR}{_WS},{_WS})*|\{{{_WS}(?:{_KEY}{_WS}:{_WS}{_SCALAR}{_WS},{_WS})*{_KEY}{_WS}:{_WS})"
 )
 
 
 def _next_start(text: str, i: int) -> tuple[int, int]:
-    """Where to try next after the decoder gave up on the nesting of the value opened at i, and
-    where the chain of openers from i ends. A value opened at the m-th opener of a chain of k has
-    k - m containers to close after the chain, so the openers with more of them than closers
-    follow the chain cannot open a value; each would cost the decoder ~1,000 steps to refuse.
-    The openers between i and the first that can close are skipped (none is, if that is i). Still
-    slow: loops the steps cannot read (a key with a bracket or an escape, a list or an object
-    before the nested opener) and loops followed by about as many closers as they have openers."""
+    """Where to try next after the decoder refused the value opened at i, and where the chain of
+    openers from i ends. A value opened at the m-th opener of a chain of k has k - m containers to
+    close after the chain, so the openers with more of them than closers follow the chain cannot
+    open a value; each would cost the decoder up to k - m steps (or its nesting limit, ~1,000 in
+    CPython 3.11) to refuse. In a chain of at least SKIP_CHAIN openers, those between i and the
+    first that can close are skipped (none is, if that is i); a shorter chain is not worth the
+    count of the closers. Still slow: loops the steps cannot read (a key with a bracket or an
+    escape, a list or an object before the nested opener) and loops followed by about as many
+    closers as they have openers."""
     starts, pos = [], i
     while (step := _CHAIN_STEP.match(text, pos)) is not None:
         starts.append(pos)
         pos = step.end()
+    if len(starts) < SKIP_CHAIN:
+        return i + 1, pos
     hopeless = len(starts) - (text.count("]", pos) + text.count("}", pos))
     if hopeless <= 0:
         return i + 1, pos

@@ -562,11 +562,14 @@ def test_json_values_of_random_loops(unit, tail):
     assert prompts._json_values(text) == _json_values_trying_every_opener(text)
 
 
+@pytest.mark.parametrize("units", [32_000, 900, prompts.SKIP_CHAIN])
 @pytest.mark.parametrize("loop", ["[", '{"a": [', "[1, ", '{"k": 0, "a": ['])
-def test_json_values_decodes_few_starts_of_a_long_loop(monkeypatch, loop):
-    """32,000 units of a loop and two closers: the decoder tries the first opener and the last few
-    (each tried opener of the loop costs it ~1,000 steps; 6.6 s for 32,000 "[" then "]")."""
-    text = loop * 32_000 + "]}"
+def test_json_values_decodes_few_starts_of_a_long_loop(monkeypatch, loop, units):
+    """A loop and two closers: the decoder tries the first opener and the last few (each tried
+    opener of the loop costs it up to its nesting limit, ~1,000 steps; 6.6 s for 32,000 "[" then
+    "]"), whether it refuses the first for its nesting (32,000 units) or for the missing closers
+    (900: within the limit), down to the shortest chain counted."""
+    text = loop * units + "]}"
     expected = _json_values_trying_every_opener(text[-len(loop) * 2 - 2 :])  # the last two units
     starts = []
 
