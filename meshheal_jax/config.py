@@ -110,3 +110,12 @@ class ProtocolParams:
 
     def warmup_tasks(self, n_agents: int) -> int:
         return self.warmup_per_six * n_agents // 6
+
+
+def recorded_protocol(recorded: dict) -> dict:
+    """A run folder's recorded protocol block with every field: one missing from an older record
+    ran with the value it had then, the default, except min_matched, which before it existed (the
+    twenty-sixth session) was min_observations itself."""
+    filled = dict(recorded)
+    filled.setdefault("min_matched", filled.get("min_observations", ProtocolParams.min_observations))
+    return {**dataclasses.asdict(ProtocolParams()), **filled}

@@ -22,7 +22,7 @@ import tyro
 
 from meshheal_jax import metrics, runner
 from meshheal_jax.cli import entrypoint, fmt, fmt_range
-from meshheal_jax.config import ProtocolParams
+from meshheal_jax.config import ProtocolParams, recorded_protocol
 from meshheal_jax.errors import MeshHealError
 
 REPORT_NAME = "report.md"
@@ -158,7 +158,7 @@ def experiment_from_config(experiment: dict) -> runner.Experiment:
         fields["live"] = runner.LiveSettings(**live)
     protocol_known = {f.name for f in dataclasses.fields(ProtocolParams)}
     fields["protocol"] = ProtocolParams(
-        **{k: v for k, v in experiment.get("protocol", {}).items() if k in protocol_known}
+        **{k: v for k, v in recorded_protocol(experiment.get("protocol", {})).items() if k in protocol_known}
     )
     try:
         return runner.Experiment(**fields)
@@ -538,7 +538,7 @@ def _common_flags(exp: dict, pair: str | None, arm_field: str | None = None) -> 
         if exp.get(key) is not None:
             flags += [flag, str(exp[key])]
     defaults = dataclasses.asdict(ProtocolParams())
-    for key, value in (exp.get("protocol") or {}).items():
+    for key, value in recorded_protocol(exp.get("protocol") or {}).items():
         if key in defaults and value != defaults[key] and key != arm_field:
             flags += [f"--protocol.{key.replace('_', '-')}", str(value)]
     return flags + _backend_flags(exp)

@@ -36,7 +36,7 @@ import polars as pl
 from rich.progress import Progress
 
 from meshheal_jax import graphs, metrics
-from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
+from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams, recorded_protocol
 from meshheal_jax.data import (
     DATASETS,
     DEFAULT_HUB_IDS,
@@ -728,8 +728,7 @@ def comparable(experiment: dict | None) -> dict | None:
     written before a protocol field existed (next_hop_ties), or a live one before reasoning_effort
     and the hub sources were recorded, ran with their defaults."""
     if experiment and isinstance(experiment.get("protocol"), dict):
-        defaults = dataclasses.asdict(ProtocolParams())
-        experiment = {**experiment, "protocol": {**defaults, **experiment["protocol"]}}
+        experiment = {**experiment, "protocol": recorded_protocol(experiment["protocol"])}
     if not experiment or not experiment.get("live"):
         return experiment
     live = {k: v for k, v in experiment["live"].items() if k not in NOT_COMPARED}

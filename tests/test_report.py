@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -163,6 +164,22 @@ def test_reproduce_commands_carry_protocol_changes_and_argv():
     )
     given = report.reproduce_commands({"experiment": {"name": "sweep"}, "argv": ["--alpha", "1", "2"]})
     assert given[0] == "python -m meshheal_jax.sweep --alpha 1 2"
+
+
+def test_a_record_from_before_min_matched_reads_as_it_ran():
+    """A config.json written before min_matched existed ran the pool's minimum at min_observations:
+    read back, resumed and reproduced so (not at min_matched's default 3)."""
+    exp = runner.Experiment(name="main", datasets=("bbh",), pairs=("default",), seeds=(0,),
+                            protocol=ProtocolParams(min_observations=5, min_matched=5))  # fmt: skip
+    old = json.loads(json.dumps(exp.to_json()))
+    del old["protocol"]["min_matched"]
+    assert report.experiment_from_config(old).protocol.min_matched == 5
+    assert runner.changed_settings(old, exp) == []
+    assert runner.changed_settings(
+        old, dataclasses.replace(exp, protocol=ProtocolParams(min_observations=5))
+    ) == ["protocol.min_matched"]
+    command = report.reproduce_commands({"experiment": old})[0]
+    assert "--protocol.min-observations 5 --protocol.min-matched 5" in command
 
 
 @pytest.mark.parametrize(
