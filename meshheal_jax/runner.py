@@ -65,6 +65,11 @@ TABLES = ("tasks", "reviews", "states", "calls")
 RUN_MARKER = "meshheal_run"
 BASELINES = ("agentnet", "raps", "autogen", "sac", "symphony")  # == baselines.run.METHODS (tested)
 METHODS = ("meshheal", *BASELINES)
+# the baselines' model rules (decisions B0, B3), recorded with a run that has baselines, so a resume
+# under other rules is refused: == their parameters' defaults (tested); a run folder written before
+# the rules were recorded (the twenty-sixth session) ran the earlier ones
+BASELINE_RULES = {"raps.judge_rule": "ability", "sac.judge_rule": "ability", "autogen.corrupts": "weak"}
+EARLIER_BASELINE_RULES = {"raps.judge_rule": "caller", "sac.judge_rule": "caller", "autogen.corrupts": "both"}
 NO_DETECTOR = "none"  # the `detector` of a summary entry for a method without one (the baselines)
 
 Stream = tuple[str, str, str, int]  # (method, dataset, pair, seed)
@@ -488,6 +493,8 @@ class Experiment:
             out[key] = None if out[key] is None else str(out[key])
         if self.live is not None:  # the hub sources of this run's datasets, defaults filled in
             out["live"]["hub"] = self.live.hub_record(self.datasets)
+        if self.baselines():
+            out["baseline_rules"] = dict(BASELINE_RULES)
         return out
 
 
@@ -726,9 +733,12 @@ NOT_COMPARED = ("strong_urls", "weak_urls", "max_in_flight", "strong_max_in_flig
 def comparable(experiment: dict | None) -> dict | None:
     """A run configuration without what does not change results (the live servers' URLs). A folder
     written before a protocol field existed (next_hop_ties), or a live one before reasoning_effort
-    and the hub sources were recorded, ran with their defaults."""
+    and the hub sources were recorded, ran with their defaults; one with baselines written before
+    their model rules were recorded ran EARLIER_BASELINE_RULES."""
     if experiment and isinstance(experiment.get("protocol"), dict):
         experiment = {**experiment, "protocol": recorded_protocol(experiment["protocol"])}
+    if experiment and any(m != "meshheal" for m in experiment.get("methods") or ()):
+        experiment = {"baseline_rules": dict(EARLIER_BASELINE_RULES), **experiment}
     if not experiment or not experiment.get("live"):
         return experiment
     live = {k: v for k, v in experiment["live"].items() if k not in NOT_COMPARED}

@@ -64,6 +64,27 @@ def test_method_names_match_the_baselines_package():
 
     assert runner.BASELINES == tuple(run.METHODS)
     assert runner.METHODS == ("meshheal", *run.METHODS)
+    rules = {f"{method}.{name}": getattr(run.DEFAULT_PARAMS[method](), name)
+             for method, name in (key.split(".") for key in runner.BASELINE_RULES)}  # fmt: skip
+    assert rules == runner.BASELINE_RULES  # what a run folder records is what the baselines run
+
+
+def test_a_folder_with_baselines_from_before_their_rules_were_recorded_is_not_resumed():
+    """A main run folder written before the baselines' model rules were recorded ran the earlier
+    ones (decisions B0, B3): resuming it under the current rules would mix the two, so it is
+    refused, naming the rules; a folder of MeshHeal alone is not concerned."""
+    exp = runner.Experiment(
+        name="main", datasets=("bbh",), pairs=("default",), seeds=(0,), methods=("meshheal", "raps")
+    )
+    old = json.loads(json.dumps(exp.to_json()))
+    assert old["baseline_rules"] == runner.BASELINE_RULES and runner.changed_settings(old, exp) == []
+    del old["baseline_rules"]
+    assert runner.changed_settings(old, exp) == [
+        f"baseline_rules.{key}" for key in sorted(runner.BASELINE_RULES)
+    ]
+    alone = dataclasses.replace(exp, methods=("meshheal",))
+    record = json.loads(json.dumps(alone.to_json()))
+    assert "baseline_rules" not in record and runner.changed_settings(record, alone) == []
 
 
 def test_run_folder_has_one_part_per_method_and_stream_and_a_report(main_run):
