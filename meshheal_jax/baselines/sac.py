@@ -14,7 +14,9 @@ Mapping decisions (ours), each a named parameter below:
 - a team's evaluator and refiner is its finalizer; an unanswered team neither evaluates nor votes;
 - "below its own answer": the evaluation call shows both answers and returns the other's score
   (a review sample); the anchor (the evaluator's score of its own answer) is one more review
-  sample drawn once per round inside the team's first evaluation call (no extra call); an answer
+  sample drawn once per round inside the team's first evaluation call (no extra call), on that
+  call's model (under judge_rule "ability" the first judged answer's ability decides it, live and
+  emulated alike); an answer
   is below iff its score < the anchor; if more than F are below, the F lowest are dropped (ties:
   the later team);
 - `judge_rule` as in RAPS: "ability" (default; the model-backed rule on the judged answer's
@@ -158,12 +160,13 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
         u = u_sac[r_]  # (n, n + 1, 4): evaluations, refinement, anchor
         u_eval, u_ref, u_anchor = u[:, : n - 1], u[:, n - 1], u[:, n]
         if params.judge_rule == "caller":
-            judge_self = C.role_of(world, f, -1, t)
-            judge = jnp.broadcast_to(judge_self[:, None], (n, n - 1))
+            judge = jnp.broadcast_to(C.role_of(world, f, -1, t)[:, None], (n, n - 1))
         else:
-            judge_self = C.role_of(world, f, s_f, t)
             judge = C.role_of(world, f[:, None], jnp.maximum(s_o, 0), t)
         valid = answered[:, None] & answered[others]
+        first = jnp.argmax(
+            valid, axis=1
+        )  # each team's first evaluation call, which also scores its own answer
         refiner = C.role_of(world, f, s_f, t)
         if emu.live:
             # each evaluation call scores the evaluator's own answer and another team's; the
@@ -172,10 +175,9 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
                              author=fin_o, ability=s_o, team=team_ids[:, None], other=others, round=r_,
                              visit=visit, execution=team_ids[:, None])  # fmt: skip
             scores, eval_prompt, eval_completion, eval_request = r.score, r.prompt, r.completion, r.request
-            first = jnp.argmax(valid, axis=1)
             anchor = jnp.where(valid.any(axis=1), r.own_score[team_ids, first], NEUTRAL_ANCHOR)
-        else:
-            anchor = C.review_score(emu, world, t, judge_self, roles, ok, u_anchor[:, D.U_MAIN])
+        else:  # the anchor on the model of the call it comes from, as live
+            anchor = C.review_score(emu, world, t, judge[team_ids, first], roles, ok, u_anchor[:, D.U_MAIN])
             # as live: a team that judged no other answer has no anchor of its own (the neutral one)
             anchor = jnp.where(valid.any(axis=1), anchor, NEUTRAL_ANCHOR)
             scores = C.review_score(emu, world, t, judge, roles[others], ok[others], u_eval[..., D.U_MAIN])
