@@ -13,8 +13,9 @@ mutation audit found that these wirings could be broken with every other test pa
   (one call)").
 
 Each test replays a rule from the records of one emulated 504-task stream (one compiled program
-per method, shared by the module's fixtures). Parameters whose defaults are decisions in flux
-(RAPS's `judge_rule`) are passed explicitly; no test depends on whether a compose corrupts.
+per method, shared by the module's fixtures). RAPS runs its earlier watchdog rule, judge_rule
+"caller" (decisions B0), passed explicitly: the wiring is the same under either rule, and this
+stream's exclusions were worked out under it; no test depends on whether a compose corrupts.
 """
 
 from __future__ import annotations

@@ -331,21 +331,24 @@ def test_bad_baseline_parameters_are_refused(method, params, message):
 
 def test_autogen_only_a_weak_manager_corrupts():
     """baselines.md: "a weak manager corrupts a correct answer": with a healthy manager (strong
-    model) every composed answer is the finalizing worker's; with corrupts="both" (the default until
-    the twenty-sixth session) the strong model's compose loses ~2% of right answers."""
-    healthy = HealthSchedule(6, N_TASKS, ())
-    specs = [spec(s, healthy) for s in SEEDS]
+    model) every composed answer is the finalizing worker's, and with corrupts="both" (the default
+    until the twenty-sixth session) the strong model's compose loses ~2% of right answers; a
+    degraded manager (weak model) loses ~18% of them under either rule."""
     lost = {}
-    for corrupts in ("weak", "both"):
-        _, out = simulate("autogen", specs, PAIR, autogen.AutoGenParams(corrupts=corrupts))
-        calls = out.calls
-        compose = (calls.kind == C.K_COMPOSE) & calls.valid
-        assert np.all(compose.sum(axis=-1) == 1) and np.all(calls.role[compose] == C.STRONG)
-        generate = (calls.kind == C.K_GENERATE) & calls.valid
-        finalize = np.where(generate, np.arange(calls.kind.shape[-1]), -1).max(-1)  # the last generation
-        right = np.take_along_axis(calls.correct, finalize[..., None], -1)[..., 0] == 1
-        lost[corrupts] = int((right & ~np.asarray(out.correct)).sum())
-    assert lost["weak"] == 0 and lost["both"] > 0, lost
+    for manager, schedule in (("healthy", ()), ("degraded", ((2, 1, N_TASKS + 1),))):
+        specs = [spec(s, HealthSchedule(6, N_TASKS, schedule)) for s in SEEDS]
+        for corrupts in ("weak", "both"):
+            _, out = simulate("autogen", specs, PAIR, autogen.AutoGenParams(corrupts=corrupts))
+            calls = out.calls
+            compose = (calls.kind == C.K_COMPOSE) & calls.valid
+            role = C.STRONG if manager == "healthy" else C.WEAK
+            assert np.all(compose.sum(axis=-1) == 1) and np.all(calls.role[compose] == role)
+            generate = (calls.kind == C.K_GENERATE) & calls.valid
+            finalize = np.where(generate, np.arange(calls.kind.shape[-1]), -1).max(-1)  # the last generation
+            right = np.take_along_axis(calls.correct, finalize[..., None], -1)[..., 0] == 1
+            lost[manager, corrupts] = (right & ~np.asarray(out.correct)).sum() / right.sum()
+    assert lost["healthy", "weak"] == 0 and 0 < lost["healthy", "both"] < 0.06, lost
+    assert 0.10 < lost["degraded", "weak"] == lost["degraded", "both"] < 0.26, lost
 
 
 def test_autogen_degraded_manager_hurts():
@@ -357,8 +360,9 @@ def test_autogen_degraded_manager_hurts():
     acc_manager, acc_healthy = out_manager.correct[:, late].mean(), out_healthy.correct[:, late].mean()
     print(f"\nAutoGen second half: healthy manager {acc_healthy:.3f}, degraded manager {acc_manager:.3f}")
     # a degraded manager composes with Llama-1B, corrupting a right answer with 1 - p_keep (0.18 with
-    # the files of 2026-12-06; 0.70 before the refit): 0.857 against 0.784 here. The same tasks in
-    # both arms, so the paired difference per task, and "hurts" = more than 3 standard errors
+    # the files of 2026-12-06; 0.70 before the refit): 0.881 against 0.784 here (0.857 against 0.784
+    # while a healthy manager corrupted too). The same tasks in both arms, so the paired difference
+    # per task, and "hurts" = more than 3 standard errors
     paired = (
         np.asarray(out_healthy.correct[:, late], float) - np.asarray(out_manager.correct[:, late], float)
     ).ravel()
