@@ -10,7 +10,11 @@ mutation audit found that these wirings could be broken with every other test pa
   (spec: "credited to every agent on the route"), its router calls left out of the records (spec:
   "one router call per forward, tokens counted");
 - AutoGen's compose call left out of the records (spec: the manager "composes the final reply
-  (one call)").
+  (one call)");
+- RAPS's broker reading the reputation as it was at the task's start, before this task's watchdog
+  (raps.py: "the posterior is updated at the watchdog call, before the receiver's own next-hop
+  decision"). No bbh graph can show it (see THREE below): RAPS also runs on a made-up three-ability
+  mapping, besides the complete graph and a line (longer routes, shared-path relays).
 
 Each test replays a rule from the records of one emulated 504-task stream (one compiled program
 per method, shared by the module's fixtures). RAPS runs its earlier watchdog rule, judge_rule
@@ -20,7 +24,9 @@ stream's exclusions were worked out under it; no test depends on whether a compo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -84,76 +90,168 @@ def generated_at(calls: C.Call, t: int, v: int) -> list[int]:
 # ================================================================================================
 
 RAPS_PARAMS = raps.RAPSParams(judge_rule="caller", watchdog_threshold=0.40, tau_rep=0.7)
+# Under abilities.md every task needs two abilities held by disjoint agent sets: its one watchdog
+# (by the receiver of its one Contribute) judges an author that holds none of the ability still
+# missing, so whether the receiver's broker reads the posterior before or after that watchdog
+# changes no pick, on any graph. In this made-up mapping every task needs three (mathematical,
+# sequence, logical): A1 and A3 hold the first two, A2 the first and last, so after one of them
+# contributes, a receiver that contributes another forwards among holders that include the author
+# it has just judged, on the posterior that watchdog updated (raps.py: "before the receiver's own
+# next-hop decision"). Such a watchdog changes a pick only when it moves E[P] across τ_rep = 0.7;
+# with A1, A3 and A4 degraded for the whole stream that happens 14 times in this stream (with bbh's
+# targets A3 and A5, twice).
+THREE = build_network(dataclasses.replace(PROFILE, requires=((0, 3, 4),) * len(PROFILE.task_types)))
+THREE_HEALTH = HealthSchedule(6, N_TASKS, tuple((a, 1, N_TASKS + 1) for a in (0, 2, 3)))
+RAPS_GRAPHS = (("complete", COMPLETE, WHOLE), ("line", LINE, WHOLE), ("three-ability", THREE, THREE_HEALTH))
 
 
-@pytest.fixture(scope="module")
-def raps_decisions():
+class Forward(NamedTuple):
+    """One forward of a RAPS task as the replay sees it."""
+
+    t: int
+    agent: int
+    candidates: np.ndarray  # neighbours holding the missing ability (none: a shared-path relay)
+    allowed: np.ndarray  # candidates with E[P] < 0.7
+    p: np.ndarray  # the agent's E[P] row at the decision
+    want: int  # the broker's pick on that row (or the relay's hop)
+    chosen: int  # where the task went
+    on_prior: int  # the pick on the prior Beta(1, 1)
+    on_start: int  # the pick on the task-start posterior (before this task's watchdog)
+    judged: bool  # the agent made a watchdog earlier in this task (its own, at or before this visit)
+
+
+def raps_replay(world: C.World, out: C.TaskOut) -> list[Forward]:
     """Every forward of a RAPS stream replayed: the Beta counts rebuilt in numpy from the reviews
     table (x <- λx + s, y <- λy + (1 − s), s = 1[score <= 0.40], updated at the watchdog, before
-    the receiver's own next hop), and per forward (t, agent, candidates, allowed, E[P] row, the
-    agent the broker should pick, the agent the task went to, the pick on the prior)."""
-    _, outs = simulate("raps", [spec(COMPLETE, WHOLE, "raps")], PAIR, RAPS_PARAMS)
-    out = stream_k(outs, 0)
-    world = C.make_world(COMPLETE, STREAM, WHOLE, 0)
-    holds, adjacency = COMPLETE.holds, COMPLETE.adjacency
+    the receiver's own next hop), the broker's pick (uniform among the allowed holders by the
+    visit's HOP_TIE draw, the lowest E[P] when all are excluded) or, when no neighbour holds the
+    missing ability, the shared shortest-path relay (a neighbour one hop closer to its nearest
+    holder, by the same HOP_TIE draw)."""
+    holds, adjacency = np.asarray(world.holds), np.asarray(world.adjacency)
+    hops = np.asarray(world.hop_distance)
     lam, tau = RAPS_PARAMS.lam, RAPS_PARAMS.tau_rep
     x = np.full((6, 6), RAPS_PARAMS.prior_x)
     y = np.full((6, 6), RAPS_PARAMS.prior_y)
     rv = out.reviews
+
+    def broker(p, agent, s, u_tie):
+        candidates = adjacency[agent] & holds[:, s]
+        allowed = candidates & ~(p >= tau - C.TOL)
+        if allowed.any():
+            return candidates, allowed, pick(u_tie, allowed)
+        if candidates.any():
+            return candidates, allowed, int(np.argmin(np.where(candidates, p, np.inf)))
+        return candidates, allowed, pick(u_tie, adjacency[agent] & (hops[:, s] == hops[agent, s] - 1))
+
     decisions = []
     for t in range(N_TASKS):
         route = agents_of(out.route[t])
         covered = np.zeros(holds.shape[1], bool)
         required = required_abilities(world, int(out.inferred_pair[t]))
+        x0, y0 = x.copy(), y.copy()
+        judges = set()
         for v, agent in enumerate(route):
             for k in np.flatnonzero(rv.valid[t] & (rv.visit[t] == v)):
                 i, j = int(rv.reviewer[t, k]), int(rv.author[t, k])
                 bad = float(rv.score[t, k] <= RAPS_PARAMS.watchdog_threshold + C.TOL)
                 x[i, j], y[i, j] = lam * x[i, j] + bad, lam * y[i, j] + (1.0 - bad)
+                judges.add(i)
             covered[generated_at(out.calls, t, v)] = True
             if v + 1 == len(route):
                 break
             s = pick(ROUTE_U[t, v, D.HOP_ABILITY], required & ~covered)
-            candidates = adjacency[agent] & holds[:, s]
-            p = x[agent] / (x[agent] + y[agent])
-            allowed = candidates & ~(p >= tau - C.TOL)
             u_tie = ROUTE_U[t, v, D.HOP_TIE]
-            want = pick(u_tie, allowed) if allowed.any() else int(np.argmin(np.where(candidates, p, np.inf)))
+            p = x[agent] / (x[agent] + y[agent])
+            candidates, allowed, want = broker(p, agent, s, u_tie)
+            on_prior = broker(np.full(6, 0.5), agent, s, u_tie)[2]
+            on_start = broker(x0[agent] / (x0[agent] + y0[agent]), agent, s, u_tie)[2]
             decisions.append(
-                (t + 1, agent, candidates, allowed, p, want, route[v + 1], pick(u_tie, candidates))
+                Forward(
+                    t + 1,
+                    agent,
+                    candidates,
+                    allowed,
+                    p,
+                    want,
+                    route[v + 1],
+                    on_prior,
+                    on_start,
+                    agent in judges,
+                )
             )
     return decisions
 
 
-def test_raps_never_routes_to_an_excluded_holder_while_another_is_allowed(raps_decisions):
+@pytest.fixture(scope="module")
+def raps_decisions():
+    """graph name -> every forward of its RAPS stream (the bbh graphs with A3/A5 degraded for the
+    whole stream), the three streams in one vmapped program."""
+    specs = [spec(network, health, "raps") for _, network, health in RAPS_GRAPHS]
+    _, outs = simulate("raps", specs, PAIR, RAPS_PARAMS)
+    return {
+        name: raps_replay(C.make_world(network, STREAM, health, k), stream_k(outs, k))
+        for k, (name, network, health) in enumerate(RAPS_GRAPHS)
+    }
+
+
+@pytest.mark.parametrize("graph", [name for name, *_ in RAPS_GRAPHS])
+def test_raps_never_routes_to_an_excluded_holder_while_another_is_allowed(raps_decisions, graph):
     """Once i's watchdogs on j's outputs put E[P_ij] >= 0.7, i's broker stops routing to j while
     another holder of the ability is allowed; before that it did route to j."""
-    assert all(c.any() for _, _, c, *_ in raps_decisions)  # the complete graph: always a holder
+    decisions = raps_decisions[graph]
+    relays = sum(not d.candidates.any() for d in decisions)
+    if graph == "line":  # A1-A6: some forwards find no neighbour holding the ability and relay
+        assert relays > 0
+    else:  # a complete graph: always a holder
+        assert relays == 0
     routed_before: dict[tuple[int, int], int] = {}  # (i, j) -> first task i routed to j
     excluded_later = set()
     binding = 0
-    for t, i, candidates, allowed, p, _, chosen, _ in raps_decisions:
-        assert candidates[chosen], (t, i, chosen)
-        if allowed.any():
-            assert allowed[chosen], f"task {t}: {i} routed to {chosen} with E[P] = {p[chosen]:.3f} >= 0.7"
-        binding += int((candidates & ~allowed).any())
-        routed_before.setdefault((i, chosen), t)
-        for j in np.flatnonzero(candidates & ~allowed):
-            if routed_before.get((i, int(j)), N_TASKS + 1) < t:
-                excluded_later.add((i, int(j)))
-    print(f"\nRAPS: exclusion binds in {binding} of {len(raps_decisions)} forwards")
-    assert binding >= 50  # 223 of 504 forwards in this stream
+    for d in decisions:
+        if not d.candidates.any():
+            continue
+        assert d.candidates[d.chosen], (graph, d.t, d.agent, d.chosen)
+        if d.allowed.any():
+            assert d.allowed[d.chosen], (
+                f"{graph} task {d.t}: {d.agent} routed to {d.chosen} with E[P] = {d.p[d.chosen]:.3f} >= 0.7"
+            )
+        binding += int((d.candidates & ~d.allowed).any())
+        routed_before.setdefault((d.agent, d.chosen), d.t)
+        for j in np.flatnonzero(d.candidates & ~d.allowed):
+            if routed_before.get((d.agent, int(j)), N_TASKS + 1) < d.t:
+                excluded_later.add((d.agent, int(j)))
+    print(f"\nRAPS {graph}: exclusion binds in {binding} of {len(decisions)} forwards ({relays} relays)")
+    assert binding >= 50  # complete 223 of 504, line 147 of 750, three-ability 457 of 914 in this stream
     assert excluded_later  # a holder routed to once, excluded after its receiver's watchdogs
 
 
-def test_raps_broker_pick_replays_from_the_learned_reputation(raps_decisions):
-    """Every forward is the broker's pick on the reputation at that moment (uniform among the
-    allowed holders by the visit's HOP_TIE draw; the lowest E[P] when all are excluded), and that
-    pick often differs from the one the prior Beta(1, 1) would make."""
-    for t, i, _, _, p, want, chosen, _ in raps_decisions:
-        assert chosen == want, (t, i, chosen, want, np.round(p, 3))
-    differs = sum(want != on_prior for *_, want, _, on_prior in raps_decisions)
-    assert differs >= 20  # 78 of 504 forwards in this stream
+@pytest.mark.parametrize("graph", [name for name, *_ in RAPS_GRAPHS])
+def test_raps_broker_pick_replays_from_the_learned_reputation(raps_decisions, graph):
+    """Every forward is the broker's pick on the reputation at that moment, updated by this task's
+    own watchdog when the forwarding agent made it (or the relay's hop when no neighbour holds the
+    ability); that pick often differs from the one the prior Beta(1, 1) would make, and where the
+    forwarding agent judged the author it may route to, from the one the task-start posterior would
+    make."""
+    decisions = raps_decisions[graph]
+    for d in decisions:
+        assert d.chosen == d.want, (graph, d.t, d.agent, d.chosen, d.want, np.round(d.p, 3))
+    differs = sum(d.want != d.on_prior for d in decisions)
+    judged = [d for d in decisions if d.judged]
+    on_start = sum(d.want != d.on_start for d in judged)
+    print(
+        f"\nRAPS {graph}: {differs} of {len(decisions)} picks differ from the prior's; {len(judged)} "
+        f"forwards after the agent's own watchdog, {on_start} differ from the task-start posterior's"
+    )
+    # complete 78 of 504, line 12 of 750 (246 relays, many single holders), three-ability 284 of 914
+    assert differs >= {"complete": 20, "line": 5, "three-ability": 50}[graph]
+    if graph == "complete":  # every task: entry -> one forward -> finalize
+        assert not judged
+    else:  # longer routes: a receiver forwards after its own watchdog
+        assert len(judged) >= 50  # line 169, three-ability 410 in this stream
+    if graph == "three-ability":
+        assert on_start >= 5  # 14 in this stream
+    else:  # abilities.md: the judged author never holds the missing ability
+        assert on_start == 0
 
 
 # ================================================================================================
