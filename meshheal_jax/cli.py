@@ -16,7 +16,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
+from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams, checks_deferred
 from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.files import chosen_outs, read_text
 
@@ -293,7 +293,19 @@ def _stopping(signum, frame) -> None:
 
 def entrypoint(config_type: type, body: Callable, description: str, stopped: str = STOPPED) -> None:
     """Parse flags, run body(config), as `guarded` runs it."""
-    guarded(lambda: body(tyro.cli(config_type, description=description)), stopped)
+    guarded(lambda: body(parse_flags(config_type, description)), stopped)
+
+
+def parse_flags(config_type: type, description: str):
+    """The command's config from its flags; the protocol's range checks run after the parser, so a
+    bad --protocol.* value is one error line (guarded), not a box of the parser's."""
+    with checks_deferred():
+        config = tyro.cli(config_type, description=description)
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, ProtocolParams):
+            value.check()
+    return config
 
 
 def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:

@@ -7,6 +7,8 @@ docs/decisions.md.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -19,6 +21,18 @@ WINDOW_RESET = ("never", "on_isolation", "on_release")
 CHECKPOINT_EVERY_S = 60.0  # default seconds between checkpoints of unfinished streams (decisions X1)
 DETECTORS = ("relative", "absolute", "cusum")
 TAU_TO = 0.40  # protocol.md §4's low-score threshold: a score above it accepts an output
+_CHECKS_DEFERRED = contextvars.ContextVar("protocol_checks_deferred", default=False)
+
+
+@contextlib.contextmanager
+def checks_deferred():
+    """ProtocolParams made inside skip their checks, which the caller then runs (`check`): the
+    command-line parser would wrap a constructor's error in a box of its own (cli.entrypoint)."""
+    token = _CHECKS_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _CHECKS_DEFERRED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +85,11 @@ class ProtocolParams:
     cusum_h: float = 1.0
 
     def __post_init__(self):
+        if not _CHECKS_DEFERRED.get():
+            self.check()
+
+    def check(self) -> None:
+        """A MeshHealError naming the first parameter out of its range."""
         for field in dataclasses.fields(self):  # the engines hold these in float64 / int32
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
