@@ -154,14 +154,22 @@ def test_every_call_is_one_request_and_streams_share_batches(runs, method):
 def test_models_follow_the_model_backed_rule_and_answers_are_judged(runs, method):
     _, frames = runs[method]
     holds = build_network(PROFILE, 6).holds
+    ability_bound = {
+        "generate",
+        "cot",
+        "refine",
+        "watchdog",
+        "evaluate",
+    }  # the last two: judge_rule "ability"
     for frame in frames:
         calls = frame["calls"]
-        for row in calls.filter(pl.col("kind").is_in(["generate", "cot"])).iter_rows(named=True):
+        for row in calls.iter_rows(named=True):  # every kind, as the emulated test checks them
             degraded = row["t"] >= DEGRADED_FROM and row["agent"] in (2, 4)
-            strong = not degraded and bool(holds[row["agent"], row["ability"]])
-            assert row["model"] == (STRONG_ID if strong else WEAK_ID)
-            if row["answer_id"] is not None:  # a final answer: the script's gold is id 0, a weak one not
-                assert (row["answer_id"] == 0) == strong
+            held = row["kind"] not in ability_bound or bool(holds[row["agent"], row["ability"]])
+            strong = not degraded and held
+            assert row["model"] == (STRONG_ID if strong else WEAK_ID), row
+            if row["kind"] in ("generate", "cot") and row["answer_id"] is not None:
+                assert (row["answer_id"] == 0) == strong  # the script's gold is id 0, a weak answer not
         tasks = frame["tasks"]
         assert not (tasks["correct"] & ~tasks["answered"]).any()  # AgentNet may run out of forwards
 
