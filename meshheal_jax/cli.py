@@ -301,11 +301,17 @@ def parse_flags(config_type: type, description: str):
     bad --protocol.* value is one error line (guarded), not a box of the parser's."""
     with checks_deferred():
         config = tyro.cli(config_type, description=description)
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if isinstance(value, ProtocolParams):
-            value.check()
+    _check_protocols(config)
     return config
+
+
+def _check_protocols(value) -> None:
+    """Run the checks of every ProtocolParams in a parsed config, at any depth."""
+    if isinstance(value, ProtocolParams):
+        value.check()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _check_protocols(getattr(value, field.name))
 
 
 def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:

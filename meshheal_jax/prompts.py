@@ -820,8 +820,8 @@ def _json_values(text: str | None) -> list[Any]:
                 value, end = decoder.raw_decode(stripped, i)
             except (ValueError, RecursionError) as err:
                 # at the head of a chain of openers, skip those that cannot close; inside the chain
-                # already read, or refused within SKIP_CHAIN characters (too soon for a chain that
-                # long), go one by one
+                # already read, or refused within SKIP_CHAIN characters (each opener before that
+                # point is refused there too, at once), go one by one
                 soon = isinstance(err, json.JSONDecodeError) and err.pos - i < SKIP_CHAIN
                 i, chain_end = (i + 1, chain_end) if soon or i < chain_end else _next_start(stripped, i)
                 continue

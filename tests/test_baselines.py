@@ -329,6 +329,45 @@ def test_bad_baseline_parameters_are_refused(method, params, message):
         simulate(method, [spec(0)], PAIR, params)
 
 
+def _pair_whose_reviews_name_their_model(folder):
+    """The default pair with every first-round review deterministic: the strong model scores every
+    output 1, the weak one 0, so a score says which model drew it."""
+    import re
+
+    from meshheal_jax.params import PAIRS, model_path
+
+    for name, row in zip(PAIRS["default"], ("[0, 0, 0, 1]", "[1, 0, 0, 0]"), strict=True):
+        head, rest = model_path(name).read_text().split("[review.strong_author]", 1)
+        reviews, tail = rest.split("[round2.strong_author]", 1)
+        reviews = re.sub(r"(?m)^(correct|wrong) = \[.*\]$", rf"\1 = {row}", reviews)
+        (folder / f"{name}.toml").write_text(
+            f"{head}[review.strong_author]{reviews}[round2.strong_author]{tail}"
+        )
+    return load_pair("default", folder)
+
+
+def test_sac_anchor_is_drawn_on_the_model_of_its_evaluation_call(tmp_path):
+    """The anchor (a team's score of its own answer) is drawn inside the team's first evaluation
+    call, so on that call's model (under judge_rule "ability", the first judged answer's ability
+    decides it), as the live client reads it from that call's reply."""
+    pair = _pair_whose_reviews_name_their_model(tmp_path)
+    params = sac.SACParams()
+    _, out = simulate("sac", [spec(s) for s in SEEDS], pair, params)
+    n, rounds = params.n_teams, params.rounds
+    calls = jax.tree_util.tree_map(lambda x: np.asarray(x)[..., -rounds * n * n :].reshape(*x.shape[:2], rounds, n, n),
+                                   out.calls)  # fmt: skip
+    reviews = jax.tree_util.tree_map(lambda x: np.asarray(x).reshape(*x.shape[:2], rounds, n, n), out.reviews)
+    assert np.all(calls.kind[..., : n - 1][calls.valid[..., : n - 1]] == C.K_EVALUATE)
+    assert np.all(reviews.action[..., 0][reviews.valid[..., 0]] == C.R_SELF_EVALUATE)
+    evaluated = calls.valid[..., : n - 1].any(-1)
+    first = calls.valid[..., : n - 1].argmax(-1)
+    first_role = np.take_along_axis(calls.role[..., : n - 1], first[..., None], -1)[..., 0]
+    anchor = reviews.score[..., 0]
+    assert np.all(anchor[evaluated] == np.where(first_role[evaluated] == C.STRONG, 1.0, 0.0))
+    strong_first = evaluated & (first_role == C.STRONG)
+    assert strong_first.sum() > 100 and (evaluated & ~strong_first).sum() > 100  # both models drew anchors
+
+
 def test_autogen_only_a_weak_manager_corrupts():
     """baselines.md: "a weak manager corrupts a correct answer": with a healthy manager (strong
     model) every composed answer is the finalizing worker's, and with corrupts="both" (the default
