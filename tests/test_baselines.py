@@ -569,13 +569,9 @@ def test_full_stream_tables_match_schemas_and_count_every_call(method):
 def test_model_backed_rule_on_every_call(method):
     rows = tables(method)[0]
     degraded = persistent_schedule(6, N_TASKS, NETWORK.degraded_targets).degraded_matrix()
-    ability_bound = {
-        "generate",
-        "cot",
-        "refine",
-        "watchdog",
-        "evaluate",
-    }  # the last two: judge_rule "ability"
+    # decisions B0: these kinds follow the model-backed rule on their ability (watchdog and
+    # evaluate under judge_rule "ability"), the others are tied to no ability
+    ability_bound = {"generate", "cot", "refine", "watchdog", "evaluate"}
     for call in rows["calls"]:
         healthy = not degraded[call["t"], call["agent"]]
         if call["kind"] in ability_bound:

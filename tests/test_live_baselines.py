@@ -154,13 +154,9 @@ def test_every_call_is_one_request_and_streams_share_batches(runs, method):
 def test_models_follow_the_model_backed_rule_and_answers_are_judged(runs, method):
     _, frames = runs[method]
     holds = build_network(PROFILE, 6).holds
-    ability_bound = {
-        "generate",
-        "cot",
-        "refine",
-        "watchdog",
-        "evaluate",
-    }  # the last two: judge_rule "ability"
+    # decisions B0: these kinds follow the model-backed rule on their ability (watchdog and
+    # evaluate under judge_rule "ability"), the others are tied to no ability
+    ability_bound = {"generate", "cot", "refine", "watchdog", "evaluate"}
     for frame in frames:
         calls = frame["calls"]
         for row in calls.iter_rows(named=True):  # every kind, as the emulated test checks them

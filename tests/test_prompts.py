@@ -509,9 +509,9 @@ def test_json_values_skips_only_openers_that_cannot_close(pieces):
     assert prompts._json_values(text) == _json_values_trying_every_opener(text)
 
 
-def test_json_values_of_a_reply_looping_on_openers(monkeypatch):
-    """A reply that repeats an opener to its token limit holds no JSON, and what comes before the
-    loop is still found; no opener of the loop is decoded (none can close)."""
+@pytest.fixture
+def decoder_starts(monkeypatch):
+    """Where _json_values' decoder starts, in order (each start costs it a parse)."""
     starts = []
 
     class Counting(json.JSONDecoder):
@@ -520,9 +520,15 @@ def test_json_values_of_a_reply_looping_on_openers(monkeypatch):
             return super().raw_decode(s, idx)
 
     monkeypatch.setattr(prompts.json, "JSONDecoder", Counting)
-    assert prompts._json_values("[" * 32_000) == [] and starts == []
+    return starts
+
+
+def test_json_values_of_a_reply_looping_on_openers(decoder_starts):
+    """A reply that repeats an opener to its token limit holds no JSON, and what comes before the
+    loop is still found; no opener of the loop is decoded (none can close)."""
+    assert prompts._json_values("[" * 32_000) == [] and decoder_starts == []
     assert prompts._json_values('{"score": 1} ' + '{"a": [' * 5_000) == [{"score": 1}]
-    assert starts == [0]
+    assert decoder_starts == [0]
 
 
 # loops of openers a closer follows: each start in them makes the decoder nest past its ~1,000
@@ -564,23 +570,16 @@ def test_json_values_of_random_loops(unit, tail):
 
 @pytest.mark.parametrize("units", [32_000, 900, prompts.SKIP_CHAIN])
 @pytest.mark.parametrize("loop", ["[", '{"a": [', "[1, ", '{"k": 0, "a": ['])
-def test_json_values_decodes_few_starts_of_a_long_loop(monkeypatch, loop, units):
+def test_json_values_decodes_few_starts_of_a_long_loop(decoder_starts, loop, units):
     """A loop and two closers: the decoder tries the first opener and the last few (each tried
     opener of the loop costs it up to its nesting limit, ~1,000 steps; 6.6 s for 32,000 "[" then
     "]"), whether it refuses the first for its nesting (32,000 units) or for the missing closers
     (900: within the limit), down to the shortest chain counted."""
     text = loop * units + "]}"
     expected = _json_values_trying_every_opener(text[-len(loop) * 2 - 2 :])  # the last two units
-    starts = []
-
-    class Counting(json.JSONDecoder):
-        def raw_decode(self, s, idx=0):
-            starts.append(idx)
-            return super().raw_decode(s, idx)
-
-    monkeypatch.setattr(prompts.json, "JSONDecoder", Counting)
+    decoder_starts.clear()  # the oracle's starts
     assert prompts._json_values(text) == expected
-    assert len(starts) <= 3, starts
+    assert len(decoder_starts) <= 3, decoder_starts
 
 
 def test_json_values_reads_a_chain_of_openers_once(monkeypatch):
