@@ -860,10 +860,9 @@ def _next_start(text: str, i: int) -> tuple[int, int]:
         pos = step.end()
     if len(starts) < SKIP_CHAIN:
         return i + 1, pos
+    # fewer than len(starts): a closer of the head's kind follows it (_json_values tries no other)
     hopeless = len(starts) - (text.count("]", pos) + text.count("}", pos))
-    if hopeless <= 0:
-        return i + 1, pos
-    return (starts[hopeless] if hopeless < len(starts) else pos), pos
+    return (starts[hopeless] if hopeless > 0 else i + 1), pos
 
 
 # ---------------------------------------------------------------------------------------------

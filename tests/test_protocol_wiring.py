@@ -47,11 +47,6 @@ def engine_for(network, params=P, n_tasks=84, seed=0, schedule=None) -> R.Refere
     return R.ReferenceEngine(network, params, load_pair("default"), stream, schedule, draws)
 
 
-def run_all(engine: R.ReferenceEngine) -> R.StreamRecords:
-    """engine.run(): its records hold the calls (the tests below check some were made)."""
-    return engine.run()
-
-
 def set_states(
     engine: R.ReferenceEngine, states: dict[int, str], timers: dict[int, int] | None = None
 ) -> None:
@@ -101,7 +96,7 @@ def test_isolated_relay_agent_makes_no_call_and_writes_nothing():
     network, x = ring(), 2
     engine = engine_for(network, FROZEN, n_tasks=84)
     set_states(engine, {x: R.ISOLATED}, {x: NEVER})
-    records = run_all(engine)
+    records = engine.run()
     relays_through_x = 0
     for task in records.tasks:
         for action, i, _ in steps(task):
@@ -130,7 +125,7 @@ def test_reviewers_are_normal_neighbours_under_fixed_states():
     network, watched, isolated = complete(), 1, 4
     engine = engine_for(network, FROZEN, n_tasks=84)
     set_states(engine, {watched: R.WATCHED, isolated: R.ISOLATED}, {isolated: NEVER})
-    records = run_all(engine)
+    records = engine.run()
     holds = network.holds
     excluded = {watched: 0, isolated: 0}
     for row in records.reviews:
@@ -436,7 +431,7 @@ def test_next_hop_picks_the_missing_ability_with_the_visit_draw():
     holds[0, :] = False
     network = dataclasses.replace(base, holds=holds)
     engine = engine_for(network, FROZEN, n_tasks=168)
-    records = run_all(engine)
+    records = engine.run()
     picked = defaultdict(int)
     for task in records.tasks:
         if task["entry"] != 0:
@@ -456,7 +451,7 @@ def test_next_hop_ties_are_drawn_with_the_visit_draw():
     the ring, all normal, every Handoff after the Contribute heads for the Finalize's ability."""
     network = ring()
     engine = engine_for(network, FROZEN, n_tasks=84)
-    records = run_all(engine)
+    records = engine.run()
     far = {}
     for s in range(7):
         holders = [j for j in range(6) if network.holds[j, s]]

@@ -53,7 +53,9 @@ class AutoGenParams:
     selection_retries: int = C.static_field(1)
     manager_works: bool = C.static_field(False)
 
-    def check(self) -> None:
+    def check(self, n_agents: int) -> None:
+        if not 0 <= self.manager < n_agents:
+            raise MeshHealError(f"AutoGen: manager {self.manager} is not an agent of 0..{n_agents - 1}")
         if self.corrupts not in ("weak", "both"):
             raise MeshHealError(f"AutoGen: corrupts must be 'weak' or 'both', got {self.corrupts!r}")
         if self.selection_retries not in (0, 1):

@@ -50,7 +50,7 @@ class RAPSParams:
         "random"
     )  # the relay's shortest-path tie rule (protocol.next_hop_ties)
 
-    def check(self) -> None:
+    def check(self, n_agents: int) -> None:
         C.check_judge_rule("RAPS", self.judge_rule)
 
 

@@ -107,12 +107,8 @@ def simulate(method: str, specs: list, pair: Pair | str, params=None, live=None)
             raise MeshHealError("streams batched together need the same length and number of agents")
         if s.network.holds.shape != first.network.holds.shape:
             raise MeshHealError("streams batched together need the same number of abilities")
-    if method in ("autogen", "raps"):
-        params.check()
-    elif method in ("sac", "symphony"):
+    if hasattr(params, "check"):  # every method's parameters but AgentNet's, which need none
         params.check(n_agents)
-    if method == "autogen" and not 0 <= params.manager < n_agents:
-        raise MeshHealError(f"AutoGen: manager {params.manager} is not an agent of 0..{n_agents - 1}")
     emus = host_stack([C.make_emu(pair, s.network.profile, live=live is not None) for s in specs])
     worlds = host_stack([C.make_world(s.network, s.stream, s.schedule, k) for k, s in enumerate(specs)])
     uniforms = host_stack([C.stream_uniforms(s.stream.seed, s.stream.dataset_id, n_tasks) for s in specs])

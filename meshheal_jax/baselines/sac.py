@@ -16,8 +16,7 @@ Mapping decisions (ours), each a named parameter below:
   (a review sample); the anchor (the evaluator's score of its own answer) is one more review
   sample drawn once per round inside the team's first evaluation call (no extra call), on that
   call's model (under judge_rule "ability" the first judged answer's ability decides it, live and
-  emulated alike); an answer
-  is below iff its score < the anchor; if more than F are below, the F lowest are dropped (ties:
+  emulated alike); an answer is below iff its score < the anchor; if more than F are below, the F lowest are dropped (ties:
   the later team);
 - `judge_rule` as in RAPS: "ability" (default; the model-backed rule on the judged answer's
   finalize ability: an evaluation is a review call, not one of architecture.md's calls tied to
@@ -164,9 +163,8 @@ def task_step(params: SACParams, emu: C.Emu, world: C.World, state: SACState, t,
         else:
             judge = C.role_of(world, f[:, None], jnp.maximum(s_o, 0), t)
         valid = answered[:, None] & answered[others]
-        first = jnp.argmax(
-            valid, axis=1
-        )  # each team's first evaluation call, which also scores its own answer
+        # each team's first evaluation call, which also scores its own answer
+        first = jnp.argmax(valid, axis=1)
         refiner = C.role_of(world, f, s_f, t)
         if emu.live:
             # each evaluation call scores the evaluator's own answer and another team's; the
