@@ -251,6 +251,18 @@ def last_boxed_span(text: str) -> tuple[int, str] | None:
     return None
 
 
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every complete `\\boxed{...}` / `\\fbox{...}` in text, in order (braces as in
+    last_boxed_span)."""
+    closing = _closing_braces(text)
+    found = []
+    for match in _BOXED.finditer(text):
+        end = closing.get(match.end() - 1)
+        if end is not None:
+            found.append(text[match.end() : end].strip())
+    return found
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last complete `\\boxed{...}` in text (balanced braces), or None."""
     span = last_boxed_span(text)

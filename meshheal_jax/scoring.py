@@ -8,7 +8,8 @@
   letters ("\\text{A,D}") against the letters written, in any order.
 - MMLU-Pro: the chosen letter (A-J) against the gold letter; an answer quoting one option's full
   text is that option's letter.
-- A missing or unparsable answer is incorrect; `judge` says which (`Judgement.status`).
+- A missing or unparsable answer is incorrect; `judge` says which (`Judgement.status`). A hedge
+  ("(B) or (C)", "\\boxed{1} or \\boxed{2}") is unparsable (docs/decisions.md L8).
 
 The answer is taken from the text's last `RESULT:` line or last `\\boxed{...}`, whichever comes
 later; BBH and MMLU-Pro fall back to the benchmarks' own "the answer is X" convention.
@@ -21,7 +22,7 @@ import functools
 import re
 import threading
 
-from meshheal_jax.data import MMLU_PRO_LETTERS, last_boxed, last_boxed_span
+from meshheal_jax.data import MMLU_PRO_LETTERS, boxed_contents, last_boxed, last_boxed_span
 from meshheal_jax.errors import MeshHealError
 
 SCORED_DATASETS = ("bbh", "math", "mmlu_pro")
@@ -74,17 +75,34 @@ def _result_span(text: str) -> tuple[int, str] | None:
     return last.start(), line
 
 
+def _repeats(text: str, token: str, at_end: bool = False) -> int:
+    """How many times `token` repeats at the start (or end) of text."""
+    count, size = 0, len(token)
+    if at_end:
+        while text.endswith(token, 0, len(text) - count * size):
+            count += 1
+    else:
+        while text.startswith(token, count * size):
+            count += 1
+    return count
+
+
 def _strip_wrappers(answer: str) -> str:
-    """Remove markup around an answer: spaces, markdown, $..$, \\(..\\), \\[..\\], a final period."""
+    """Remove markup around an answer: spaces, markdown, $..$, \\(..\\), \\[..\\], a final period.
+
+    A run of nested pairs ("$$x$$", "\\(\\(x\\)\\)") is removed at once, so the time is linear in
+    the length of the run, not quadratic."""
     previous = None
     while answer != previous:
         previous = answer
         answer = answer.strip().strip(_MARKUP).strip()
         if answer.endswith(".") and not answer.endswith(".."):  # a final period, not an ellipsis
             answer = answer[:-1].rstrip()
-        for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-            if answer.startswith(left) and answer.endswith(right) and len(answer) >= len(left) + len(right):
-                answer = answer[len(left) : len(answer) - len(right)]
+        for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+            pairs = min(_repeats(answer, left), _repeats(answer, right, at_end=True),
+                        len(answer) // (len(left) + len(right)))  # fmt: skip
+            if pairs:
+                answer = answer[pairs * len(left) : len(answer) - pairs * len(right)]
                 break
         if answer.endswith("$") and answer.count("$") == 1:
             answer = answer[:-1]
@@ -104,11 +122,17 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
     _check_dataset(dataset)
     if not text:
         return None
-    found = [span for span in (_result_span(text), last_boxed_span(text)) if span is not None]
-    if found:
-        _, answer = max(found, key=lambda span: span[0])
+    result, boxed_span = _result_span(text), last_boxed_span(text)
+    if boxed_span is not None and (result is None or boxed_span[0] > result[0]):
+        start, end = text.rfind("\n", 0, boxed_span[0]) + 1, text.find("\n", boxed_span[0])
+        line = text[start : end if end >= 0 else len(text)]  # the line of the last \boxed{}
+        if result is not None and result[0] >= start:  # a RESULT: line whose answer is boxed
+            line = result[1]
+        answer = line if _hedged(line) else boxed_span[1]
+    elif result is not None:
+        answer = result[1]
         boxed = last_boxed(answer)
-        if boxed is not None:
+        if boxed is not None and not _hedged(answer):
             answer = boxed
     elif dataset != "math":
         matches = list(_ANSWER_IS.finditer(text))
@@ -119,6 +143,12 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
         return None
     answer = _strip_wrappers(_drop_answer_prefix(answer))
     return answer or None
+
+
+def _hedged(line: str) -> bool:
+    """Whether a line boxes two different answers ("\\boxed{1} or \\boxed{2}"): a hedge, which
+    extract_answer returns whole and the judges read as no one answer."""
+    return len(set(boxed_contents(line))) > 1
 
 
 def _drop_answer_prefix(text: str) -> str:
@@ -134,6 +164,27 @@ _LETTER_PREFIX = re.compile(
 )
 _LETTER_PAREN = re.compile(r"^[(\[]([A-Za-z])[)\]]")
 _LETTER_BARE = re.compile(r"^([A-Za-z])(?:[).:]|$)")
+# after a letter: another one, in brackets ("(B) or (C)", "(B)/(C)", "(B), (C)", "(B) (C)") or
+# bare after a connective ("B) or C)", "B. Or C.")
+_ANOTHER_LETTER = re.compile(
+    r"(?i)^[\s.,;:]*(?:(?:or|and|/|,|;|&)\s*)?[(\[]([A-Za-z])[)\]]|^[\s.,;:]*(?:or|and|/|,|;|&)\s*([A-Za-z])(?:[).:]|\s*$)"
+)
+
+
+def _names_another(written: str, rest: str, options: tuple[str, ...] | None, letters: str) -> bool:
+    """Whether `rest`, the text after the letter `written`, names another option letter of the same
+    case ("(B) or (C)"), unless it is the named option's own text ("(E) (a) Digestion ...": an
+    option that lists sub-points)."""
+    another = _ANOTHER_LETTER.match(rest)
+    if another is None:
+        return False
+    other = another.group(1) or another.group(2)
+    if other.upper() == written.upper() or other.isupper() != written.isupper():
+        return False
+    index = letters.index(written.upper())
+    own_text = options[index] if options and index < len(options) else None
+    # its own text, or the start of it (a reply may cut a long option short)
+    return own_text is None or not _normalise_text(rest).startswith(_normalise_text(own_text)[:40])
 
 
 def _normalise_text(text: str) -> str:
@@ -180,7 +231,10 @@ def option_letter(
     for pattern in (_LETTER_PAREN, _LETTER_BARE):
         match = pattern.match(candidate)
         if match and match.group(1).upper() in letters:
-            return match.group(1).upper()
+            letter = match.group(1).upper()
+            if _names_another(match.group(1), candidate[match.end() :], options, letters):
+                return None  # a hedge over two options names no one option
+            return letter
     return None
 
 
@@ -263,6 +317,7 @@ def _parse_math(expression: str) -> list:
     here as "1$ or $2") are not read so: taking one would credit a hedge."""
     mv = _math_verify()
     config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    expression = _latex_fixes(expression)
     span = re.fullmatch(r"[^$]*?(?<!\\)\$([^$]+?)(?<!\\)\$[^$]*", expression, re.DOTALL)
     if span and span.group(1).strip() == span.group(1):  # one $...$ among words: its math is the answer
         parsed = _parse_math(span.group(1))
@@ -272,6 +327,27 @@ def _parse_math(expression: str) -> list:
     if not parsed:  # plain-text forms latex parsing misses, e.g. "1/2 + x" without braces
         parsed = mv.parse(expression, [mv.ExprExtractionConfig()], parsing_timeout=_timeout())
     return parsed
+
+
+# an unbraced \frac argument that math-verify misreads: a command ("\frac \pi4" -> \frac{\}{p}i4)
+_FRAC_ARG = r"\s*(\\[A-Za-z]+|[0-9A-Za-z]|\{[^{}]*\})"
+_UNBRACED_FRAC = re.compile(r"\\([dt]?frac)" + _FRAC_ARG + _FRAC_ARG)
+_THIN_THOUSANDS = re.compile(r"(\d),\\!(?=\d{3}(?!\d))")  # MATH writes 5,525 as "5,\!525"
+
+
+def _latex_fixes(expression: str) -> str:
+    """Two LaTeX spellings of MATH's golds that math-verify misreads, rewritten before it parses
+    (decisions L8): an unbraced \\frac argument ("\\frac \\pi4" is \\frac{\\pi}{4}; "\\frac12" was
+    read right already) and the thin space of a thousands separator ("\\frac{12}{5,\\!525}" is
+    12/5525; at the top level math-verify read it right already)."""
+    expression = _THIN_THOUSANDS.sub(r"\1", expression)
+    return _UNBRACED_FRAC.sub(
+        lambda m: "\\" + m[1] + "".join(_braced(arg) for arg in m.groups()[1:]), expression
+    )
+
+
+def _braced(argument: str) -> str:
+    return argument if argument.startswith("{") else "{" + argument + "}"
 
 
 def _is_expression(parsed) -> bool:
@@ -317,8 +393,10 @@ def _judge_math_unguarded(text: str | None, gold: str) -> Judgement:
     gold_letters = _option_letters(gold)
     if gold_letters is not None:  # the options named, in any order
         return Judgement(_option_letters(answer) == gold_letters, OK, answer)
+    if _hedged(answer):  # "\boxed{1} or \boxed{2}": no one answer
+        return Judgement(False, UNPARSABLE, answer)
     predicted = _parse_math(answer)
-    gold_parsed = list(_parse_gold(gold.strip()))
+    gold_parsed = list(_parse_gold(_strip_wrappers(gold)))
     if not any(_is_expression(x) for x in gold_parsed):
         # a gold math-verify cannot read as mathematics: fall back to its exact text
         same_text = _normalise_text(answer) == _normalise_text(gold)

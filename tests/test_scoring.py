@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshheal_jax import data, scoring
 from meshheal_jax.errors import MeshHealError
@@ -109,7 +111,14 @@ def test_math500_integer_golds_reject_off_by_one_and_sign_flips(math_verify):
         ("\\left( 3, \\frac{\\pi}{2} \\right)", "RESULT: (3, \\pi/2)"),
         ("\\text{(C)}", "RESULT: \\text{(C)}"),
         ("-2,1", "\\boxed{1, -2}"),
-        ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!525}"),  # a gold math-verify reads only as text
+        # MATH golds math-verify misread before decisions L8's rewrite (Counting & Probability idx
+        # 1598, Geometry 1714, Intermediate Algebra 2269): as text, as 2, as 1/5
+        ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!525}"),
+        ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5525}"),
+        ("\\frac \\pi4 + 2 - \\sqrt2", "RESULT: \\boxed{\\frac{\\pi}{4}+2-\\sqrt{2}}"),
+        ("\\frac{7}{5} + \\frac{1}{5} i.", "RESULT: \\frac{7}{5}+\\frac{1}{5}i"),
+        ("\\frac 54", "RESULT: 5/4"),
+        ("\\frac9{5}", "RESULT: 1.8"),
         # golds naming options (six of MATH's 5,000 test problems), in the forms a model writes them
         ("\\text{A,D}", "\\boxed{A, D}"),
         ("\\text{A,D}", "RESULT: D, A"),
@@ -143,6 +152,8 @@ def test_math_equivalent_forms_are_accepted(math_verify, gold, prediction):
         ("2", "RESULT: $1$ or $2$"),  # a hedge: no one answer
         ("4", "RESULT: $3$ apples, not $4$"),
         ("\\frac{12}{5,\\!525}", "RESULT: \\frac{12}{5,\\!526}"),
+        ("\\frac \\pi4 + 2 - \\sqrt2", "RESULT: \\boxed{2}"),
+        ("\\frac{7}{5} + \\frac{1}{5} i.", "RESULT: \\boxed{1/5}"),
         ("\\text{A,D}", "\\boxed{A}"),
         ("\\text{A,D}", "\\boxed{A, D, E}"),
         ("B, C", "RESULT: B and C"),
@@ -360,3 +371,117 @@ def test_mmlu_pro_option_text_and_unparsable():
     assert judge("mmlu_pro", "RESULT: none of them", rec.gold, rec.options).status == UNPARSABLE
     assert judge("mmlu_pro", "I am not sure.", rec.gold, rec.options).status == NO_ANSWER
     assert judge("mmlu_pro", "RESULT: c", "C").correct  # no options given: letters A-J
+
+
+# ----------------------------------------------------------------------------------------------
+# Hedges: an answer naming two options or boxing two values names no one answer (decisions L8)
+
+TEN_OPTIONS = tuple(f"option text {i}" for i in range(10))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "RESULT: (B) or (C)",
+        "RESULT: (B)/(C)",
+        "RESULT: B) or C)",
+        "RESULT: B. Or C.",
+        "RESULT: (B), (C), (D)",
+        "The answer is (B) or (C).",
+        "RESULT: (B) (C) (D) (E) (F) (G) (H) (I) (J) (A)",
+        "RESULT: (b) or (c)",
+        "RESULT: \\boxed{B} or \\boxed{C}",
+    ],
+)
+def test_a_hedge_over_options_is_unparsable(text):
+    for gold in ("B", "C"):
+        verdict = judge("mmlu_pro", text, gold, TEN_OPTIONS)
+        assert (verdict.correct, verdict.status) == (False, UNPARSABLE), (text, gold, verdict)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "RESULT: (B)",
+        "RESULT: (B) option text 1",  # the letter and its own option's text
+        "RESULT: (B) or (B)",  # one letter twice
+        "RESULT: (B) or (c)",  # a lowercase letter after an uppercase one: a sub-point, not an option
+        "RESULT: B. Vitamin C.",
+        "RESULT: B) and C is wrong",
+    ],
+)
+def test_one_option_with_words_after_it_is_that_option(text):
+    assert judge("mmlu_pro", text, "B", TEN_OPTIONS) == scoring.Judgement(True, OK, "B")
+
+
+def test_an_option_listing_lettered_sub_points_is_not_a_hedge():
+    """MMLU-Pro qid 2374's options read "(a) Digestion ..., (b) ..., (c) ...": quoted after its
+    letter, even with the sub-points' letters in capitals, it is that option."""
+    options = (
+        "(A) Digestion is inhibited, (B) the pupil would enlarge",
+        "(A) Digestion is enhanced, (B) it would not",
+    )
+    assert judge("mmlu_pro", f"RESULT: (B) {options[1]}", "B", options).correct
+    assert judge("mmlu_pro", f"RESULT: (A) {options[0]}", "A", options).correct
+
+
+def test_a_bbh_hedge_over_options_is_unparsable():
+    verdict = judge("bbh", "RESULT: (B), (C)", "(B)", ("red", "blue", "green"))
+    assert (verdict.correct, verdict.status) == (False, UNPARSABLE)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("RESULT: \\boxed{1} or \\boxed{2}", "\\boxed{1} or \\boxed{2}"),
+        ("so \\boxed{1}, \\boxed{2}", "so \\boxed{1}, \\boxed{2}"),
+        ("RESULT:\n\\boxed{1} or \\boxed{2}", "\\boxed{1} or \\boxed{2}"),
+        ("first \\boxed{1}\nthen \\boxed{2}", "2"),  # a later line's box is the answer
+        ("\\boxed{2}, that is \\boxed{2}", "2"),  # the same value twice
+    ],
+)
+def test_a_line_boxing_two_values_is_extracted_whole(text, expected):
+    assert extract_answer("math", text) == expected
+
+
+def test_a_math_hedge_is_unparsable_whichever_value_is_gold(math_verify):
+    for gold in ("1", "2"):
+        verdict = judge("math", "RESULT: \\boxed{1} or \\boxed{2}", gold)
+        assert (verdict.correct, verdict.status) == (False, UNPARSABLE)
+
+
+# ----------------------------------------------------------------------------------------------
+# _strip_wrappers removes a run of nested pairs at once: the same result as one pair per pass
+
+
+def _strip_wrappers_one_pair_per_pass(answer: str) -> str:
+    """The rule as first written (one pair per pass, quadratic in a long run): the oracle."""
+    previous = None
+    while answer != previous:
+        previous = answer
+        answer = answer.strip().strip(scoring._MARKUP).strip()
+        if answer.endswith(".") and not answer.endswith(".."):
+            answer = answer[:-1].rstrip()
+        for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+            if answer.startswith(left) and answer.endswith(right) and len(answer) >= len(left) + len(right):
+                answer = answer[len(left) : len(answer) - len(right)]
+                break
+        if answer.endswith("$") and answer.count("$") == 1:
+            answer = answer[:-1]
+        if answer.startswith("$") and answer.count("$") == 1:
+            answer = answer[1:]
+    return answer.strip()
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(
+    st.lists(st.sampled_from(["$", "$$", "\\(", "\\)", "\\[", "\\]", "x", " ", ".", "*", "\n"]), max_size=12)
+)
+def test_strip_wrappers_equals_one_pair_per_pass(pieces):
+    text = "".join(pieces)
+    assert scoring._strip_wrappers(text) == _strip_wrappers_one_pair_per_pass(text)
+
+
+def test_strip_wrappers_removes_a_long_run_of_dollars():
+    assert scoring._strip_wrappers("$" * 20_000 + "5" + "$" * 20_000) == "5"
+    assert extract_answer("bbh", "RESULT: " + "$" * 20_000) is None

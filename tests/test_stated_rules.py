@@ -62,11 +62,12 @@ def test_same_answer_reads_thousands_separated_numbers_as_equal():
 
 def test_math_answer_with_no_expression_under_a_text_gold_is_unparsable():
     """UNPARSABLE: "an answer was found but is not of the gold's kind (no letter, no expression)",
-    also where the gold is one math-verify cannot read (MATH's one such gold, \\frac{12}{5,\\!525}).
-    Under such a gold, compared as text, an answer math-verify hands back as text is of its kind
-    (test_scoring's near miss \\frac{12}{5,\\!526} is OK and wrong); one it reads nothing from is not."""
+    also where the gold is one math-verify cannot read (\\frac{12}{5,525}; MATH's one such gold,
+    \\frac{12}{5,\\!525}, is read since decisions L8's rewrite). Under such a gold, compared as text,
+    an answer math-verify hands back as text is of its kind; one it reads nothing from is not."""
     pytest.importorskip("math_verify")
-    gold = "\\frac{12}{5,\\!525}"
+    gold = "\\frac{12}{5,525}"
+    assert not any(scoring._is_expression(x) for x in scoring._parse_gold(gold))  # the premise
     verdict = scoring.judge("math", "RESULT: }{", gold)
     assert (verdict.correct, verdict.status) == (False, scoring.UNPARSABLE)
     assert scoring.judge("math", "RESULT: ???", gold).status == scoring.OK  # text, as the gold is
