@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 
 import numpy as np
@@ -543,16 +544,29 @@ def test_a_refused_live_run_closes_the_client_it_opened(tmp_path, monkeypatch):
     assert closed == [True]
 
 
-def test_math_judging_is_bounded_off_the_main_thread(monkeypatch):
+def test_math_judging_is_bounded_off_the_main_thread():
+    """A reply whose check never ends in a thread (sympy's power 10^(10^10) holds Python's lock, so
+    a thread watching it never runs again) is judged in a child process: None once past the
+    limit, the child killed, and the next MATH call starts another. Other datasets are judged here."""
     from meshheal_jax import scoring
     from meshheal_jax.backends import live_baselines
 
-    monkeypatch.setattr(scoring, "MATH_TIMEOUT_S", 0.05)
+    judge = live_baselines.MathJudge(limit_s=1.0)  # under math-verify's own 5 s: the kill is tried
+    results = []
 
-    def slow(dataset, *args):
-        time.sleep(1.0)
-        return "late"
+    def off_the_main_thread():
+        results.append(judge(scoring.judge, "math", "RESULT: \\boxed{10^{10^{10}}}", "5", None))
+        results.append(judge(scoring.judge, "math", "RESULT: \\frac{1}{2}", "0.5", None))
 
-    assert live_baselines._bounded(slow, "math") is None  # past 3 x the limit: no verdict
-    assert live_baselines._bounded(lambda dataset: "now", "math") == "now"
-    assert live_baselines._bounded(slow, "bbh") == "late"  # only MATH (math-verify) is bounded
+    try:
+        worker = threading.Thread(target=off_the_main_thread)
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive()
+        assert results[0] is None  # past the limit: no verdict
+        assert results[1] == scoring.Judgement(True, scoring.OK, "\\frac{1}{2}")  # a new child judged it
+        assert judge(scoring.same_answer, "bbh", "(B)", "(B)") is True
+        assert judge._pool is not None
+    finally:
+        judge.close()
+    assert judge._pool is None

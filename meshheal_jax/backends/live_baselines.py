@@ -37,6 +37,7 @@ program's own scan instead of a host loop of rounds.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -66,26 +67,42 @@ from meshheal_jax.data import Record, pick_questions, question_pool
 from meshheal_jax.errors import MeshHealError
 
 
-def _bounded(fn, dataset: str, *args):
-    """fn(dataset, *args), for MATH in a daemon thread given 3 x scoring.MATH_TIMEOUT_S (None past
-    it): the host runs in XLA's callback threads, where math-verify's signal-based limits cannot
-    work, and one pathological reply must not hang a live run."""
-    if dataset != "math":
-        return fn(dataset, *args)
-    box: dict = {}
+class MathJudge:
+    """`fn(dataset, *args)` (a scoring function), for MATH in a child process, None past
+    `limit_s` (3 x scoring.MATH_TIMEOUT_S). The host runs in XLA's callback threads, where
+    math-verify's signal-based limits cannot work, and one pathological reply must not hang a live
+    run: a thread cannot be stopped, and sympy's big-integer arithmetic (`\\boxed{10^{10^{10}}}`)
+    holds Python's lock, so a watching thread never runs again. In the child's main thread
+    math-verify's own limits work; a child past `limit_s` anyway is killed and the next MATH call
+    starts another. The child is started (spawn: no copy of this process's XLA threads) at the
+    first MATH call, and judges one answer first, so an install that cannot score MATH fails there."""
 
-    def run():
+    def __init__(self, limit_s: float | None = None):
+        self.limit_s = 3 * scoring.MATH_TIMEOUT_S if limit_s is None else limit_s
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def __call__(self, fn, dataset: str, *args):
+        if dataset != "math":
+            return fn(dataset, *args)
+        with self._lock:
+            if self._pool is None:
+                self._pool = multiprocessing.get_context("spawn").Pool(1)
+                self._pool.apply(scoring.judge, ("math", "RESULT: 1", "1"))  # started, and math-verify there
+            pool = self._pool
+        pending = pool.apply_async(fn, (dataset, *args))
         try:
-            box["value"] = fn(dataset, *args)
-        except BaseException as err:  # noqa: BLE001 -- re-raised below
-            box["error"] = err
+            return pending.get(self.limit_s)
+        except multiprocessing.TimeoutError:
+            with self._lock:
+                if self._pool is pool:
+                    self.close()
+            return None
 
-    worker = threading.Thread(target=run, name="live-baselines-judge", daemon=True)
-    worker.start()
-    worker.join(3 * scoring.MATH_TIMEOUT_S)
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
 
 
 def make_call_id(op: str, execution: int, visit: int, round_: int = 0, other: int = 0) -> int:
@@ -146,6 +163,7 @@ class LiveBaselineHost:
         self.latest: dict[int, int] = {}  # stream -> latest task seen (older texts are dropped)
         self.trace: list[dict] = []  # one row per request; row["request"] = the id the records carry
         self.error: BaseException | None = None
+        self.judge = MathJudge()  # the scorer, MATH in a child process under a time limit
         self._lock = threading.Lock()
 
     # -- the callback ------------------------------------------------------------------------
@@ -219,14 +237,14 @@ class LiveBaselineHost:
         stream = self.streams[s]
         record = stream.records[t - 1]
         dataset = stream.profile.dataset
-        judged = _bounded(scoring.judge, dataset, text, record.gold, record.options)
+        judged = self.judge(scoring.judge, dataset, text, record.gold, record.options)
         if judged is None:  # math-verify ran past its limit: an answer nobody can agree with
             judged = scoring.Judgement(False, scoring.UNPARSABLE, None)
         if judged.correct:
             return 0
         wrong = self.wrong_answers.setdefault((s, t), [])
         for k, earlier in enumerate(wrong, start=1):
-            if _bounded(scoring.same_answer, dataset, judged.answer, earlier):
+            if self.judge(scoring.same_answer, dataset, judged.answer, earlier):
                 return k
         wrong.append(judged.answer)
         return len(wrong)
@@ -405,6 +423,8 @@ def run_live_baselines(
         host = LiveBaselineHost([R._spec(s) for s in specs], questions, live, options)
         return R.run_baseline_frames(method, specs, pair, params, live=host)
     finally:  # the trace is appended: a resumed run keeps the earlier rows
+        if host is not None:
+            host.judge.close()
         _finish(run_dir, host.trace if host else [], live, owned)
 
 
