@@ -113,7 +113,9 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise _row_error(f"{path}, row {n}", f"invalid JSON ({err.msg})") from None
+                raise _row_error(
+                    f"{path}, row {n}", f"invalid JSON at column {err.colno} ({err.msg})"
+                ) from None
             except RecursionError:
                 raise _row_error(f"{path}, row {n}", "JSON nested too deeply") from None
             except ValueError as err:  # an integer of more than 4,300 digits
@@ -149,6 +151,18 @@ def iter_rows(path: Path) -> Iterator[tuple[int, dict]]:
             yield n, row
     else:
         raise MeshHealError(f"{path}: unsupported file type {suffix or '(none)'}; use json, jsonl or parquet")
+
+
+MAX_QUESTION_CHARS = 400_000  # ~100k tokens: past every served model's context (a garbage row)
+
+
+def _question_field(row: dict, field: str, where: str) -> str:
+    """A question's text: a text field no longer than MAX_QUESTION_CHARS."""
+    text = _text_field(row, field, where)
+    if len(text) > MAX_QUESTION_CHARS:
+        raise _row_error(where, f"field {field!r} holds {len(text):,} characters, past the {MAX_QUESTION_CHARS:,} "
+                                "a question may have (data.MAX_QUESTION_CHARS: more than a model's context)")  # fmt: skip
+    return text
 
 
 def _text_field(row: dict, field: str, where: str) -> str:
@@ -197,7 +211,7 @@ def _option_target(gold: str, options: tuple[str, ...]) -> str:
 
 
 def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:
-    question = _text_field(row, "input", where)
+    question = _question_field(row, "input", where)
     gold = _text_field(row, "target", where).strip()
     options = bbh_options(question)
     if options is not None:
@@ -270,8 +284,10 @@ def last_boxed(text: str) -> str | None:
 
 
 def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
-    question = _text_field(row, "problem", where)
+    question = _question_field(row, "problem", where)
     type_field = "type" if row.get("type") is not None or row.get("subject") is None else "subject"
+    if row.get("type") is None and row.get("subject") is None:
+        raise _row_error(where, "missing field 'type' (MATH) or 'subject' (MATH-500): the task type")
     task_type = _text_field(row, type_field, where).strip()
     answer = row.get("answer")
     if answer is not None and not (isinstance(answer, float) and math.isnan(answer)) and str(answer).strip():
@@ -298,7 +314,7 @@ def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
 
 
 def map_mmlu_pro_row(row: dict, where: str, fallback_uid: str = "") -> Record:
-    question = _text_field(row, "question", where)
+    question = _question_field(row, "question", where)
     task_type = _text_field(row, "category", where).strip()
     letter = _text_field(row, "answer", where).strip().upper()
     if "options" not in row or row["options"] is None:
@@ -428,7 +444,7 @@ def resolve_data_file(dataset: str, path: Path) -> Path:
             if (folder / name).is_file():
                 return folder / name
     for folder in folders:
-        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
         if len(files) == 1:
             return files[0]
     raise MeshHealError(

@@ -250,6 +250,35 @@ def test_missing_field_names_file_row_and_field(tmp_path):
         data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
 
 
+def test_edges_of_the_row_errors(tmp_path):
+    """A bad JSONL line names its column; a MATH-500 row without 'subject' names both type fields;
+    a question past MAX_QUESTION_CHARS is refused; a folder's one data file is found whatever the
+    case of its suffix."""
+    path = tmp_path / "math.jsonl"
+    path.write_text(json.dumps(math_rows()[0]) + '\n{"problem": "x", "type": }\n')
+    with pytest.raises(MeshHealError, match=r"row 2: invalid JSON at column 26 \(Expecting value\)"):
+        data.load_local("math", path)
+    rows = math_rows()
+    rows[1]["type"] = None
+    rows[1]["subject"] = None
+    with pytest.raises(
+        MeshHealError, match=r"row 2: missing field 'type' \(MATH\) or 'subject' \(MATH-500\)"
+    ):
+        data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+    rows = math_rows()
+    rows[3]["problem"] = "x" * (data.MAX_QUESTION_CHARS + 1)
+    with pytest.raises(
+        MeshHealError, match=r"row 4: field 'problem' holds 400,001 characters, past the 400,000"
+    ):
+        data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+    rows[3]["problem"] = "x" * data.MAX_QUESTION_CHARS
+    assert len(data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))) == len(rows)
+    folder = tmp_path / "upper"
+    folder.mkdir()
+    write_jsonl(folder / "DATA.JSONL", math_rows())
+    assert data.resolve_data_file("math", folder) == folder / "DATA.JSONL"
+
+
 def test_math_gold_from_a_cut_solution_or_an_empty_answer_is_refused(tmp_path):
     rows = math_rows()
     rows[1]["solution"] = "first \\boxed{3}, then the real answer \\boxed{\\frac{1}{2}"
