@@ -163,7 +163,7 @@ _LETTER_PREFIX = re.compile(
     r"(?i)^(?:the\s+)?(?:final\s+|correct\s+)?(?:answer|option|choice)\s*(?:is)?\s*[:\-]?\s*"
 )
 _LETTER_PAREN = re.compile(r"^[(\[]([A-Za-z])[)\]]")
-_LETTER_BARE = re.compile(r"^([A-Za-z])(?:[).:]|$)")
+_LETTER_BARE = re.compile(r"^([A-Za-z])(?:[).:!]|$)")
 # after a letter: another one, in brackets ("(B) or (C)", "(B)/(C)", "(B), (C)", "(B) (C)") or
 # bare after a connective ("B) or C)", "B. Or C.")
 _ANOTHER_LETTER = re.compile(
@@ -217,7 +217,8 @@ def option_letter(
     text for the S phase) can only be an option's text.
     """
     candidate = _strip_wrappers(answer)
-    candidate = re.sub(r"^\\text\{(.*)\}$", r"\1", candidate).strip()
+    candidate = re.sub(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", r"\1", candidate).strip()
+    candidate = candidate.strip("\"'“”‘’").strip()
     bare = _LETTER_ONLY.match(candidate)
     if options and not (bare and bare.group(1).upper() in letters):
         for key in (_normalise_text, _past_answer_prefix):

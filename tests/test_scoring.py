@@ -408,6 +408,9 @@ def test_a_hedge_over_options_is_unparsable(text):
         "RESULT: (B) or (c)",  # a lowercase letter after an uppercase one: a sub-point, not an option
         "RESULT: B. Vitamin C.",
         "RESULT: B) and C is wrong",
+        "RESULT: 'B'",  # quoted, bold, an exclamation (the QA pass of decisions L8)
+        "RESULT: \\textbf{B}",
+        "RESULT: B!",
     ],
 )
 def test_one_option_with_words_after_it_is_that_option(text):
