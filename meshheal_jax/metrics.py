@@ -194,6 +194,7 @@ def review_audit(reviews: pl.DataFrame) -> dict:
         "takeover_unchanged": _ratio(n_take - wrong_to_right - right_to_wrong, n_take),
         "probe_outputs": probes.height,
         "probe_mean_q": _mean(probes, "q"),
+        "probe_takeovers": probes["takeover"].sum(),
         **{f"probe_{key}_{health}": value
            for health, df in (("healthy", probe_h), ("degraded", probe_d))
            for key, value in (("outputs", df.height), ("mean_q0", _mean(df, "q0")), ("mean_q", _mean(df, "q")),

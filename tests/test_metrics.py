@@ -217,6 +217,7 @@ def test_review_audit_ratios():
     counts = [a[f"takeover_{k}_count"] for k in ("wrong_to_right", "right_to_wrong", "unchanged")]
     assert counts == [1, 1, 1]
     assert a["probe_outputs"] == 1
+    assert a["probe_takeovers"] == 1  # the probe's Takeover, not among the 4 above (ablate prints both)
     assert a["probe_mean_q"] == approx(0.125)
     assert (a["probe_outputs_degraded"], a["probe_mean_q0_degraded"], a["probe_low_degraded"]) == (
         1,
