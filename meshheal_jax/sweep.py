@@ -51,6 +51,7 @@ from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.files import default_out
 from meshheal_jax.params import DIFFICULTY, OPTIONAL, SCALARS, Pair, load_pair
+from meshheal_jax.report import BEFORE_ONSET
 
 TRADEOFF_PNG = "tradeoff.png"
 MAPS_PNG = "grid_maps.png"
@@ -366,6 +367,12 @@ def _detection(per_seed: list[dict]) -> dict:
     return metrics.stat(delays)
 
 
+def _onset_detections(per_seed: list[dict]) -> dict:
+    """Per seed the detections among those delays that were report.BEFORE_ONSET (§7's delay 0 for
+    an agent falsely isolated before it degraded, decisions P5b); a stat over seeds."""
+    return metrics.stat([float(sum(metrics.onset_detection(a) for a in m["agents"])) for m in per_seed])
+
+
 def summarize(exp: runner.Experiment, grid: dict[str, tuple], points: list[GridPoint],
               frames: dict[str, pl.DataFrame]) -> dict:  # fmt: skip
     schedule = exp.schedule()
@@ -393,6 +400,7 @@ def summarize(exp: runner.Experiment, grid: dict[str, tuple], points: list[GridP
             per_dataset[dataset] = per_seed
             results.append({"grid_point": point.index, "values": point.values, "method": exp.method,
                             **exp.labels(exp.method), "dataset": dataset, "pair": exp.pairs[0], "detection_delay": _detection(per_seed),
+                            "onset_detections": _onset_detections(per_seed),
                             **metrics.aggregate(per_seed, exp.seeds)})  # fmt: skip
         if len(exp.datasets) > 1:
             results.append({"grid_point": point.index, "values": point.values, "method": exp.method,
@@ -414,6 +422,8 @@ def print_summary(summary: dict) -> None:
         for row in rows:
             table.add_row(*row)
         print_table(table)
+    if any((r.get("onset_detections") or {}).get("mean") for r in summary["results"]):
+        print(f"x before onset: x of a seed's detections (mean over seeds) were {BEFORE_ONSET}.")
 
 
 def _mean_sem(stat: dict | None) -> tuple[float, float]:
@@ -706,6 +716,9 @@ def summary_rows(summary: dict, dataset: str) -> tuple[list[str], list[list[str]
             continue
         delay = r.get("detection_delay")
         delay_text = "—" if not delay or delay["mean"] is None else f"{fmt(delay, 1)} n={delay['n_defined']}"
+        onset = r.get("onset_detections")
+        if delay_text != "—" and onset and onset.get("mean"):
+            delay_text += f" ({fmt(onset, 1)} before onset)"
         rows.append([str(r["grid_point"]), *(_show(r["values"][n]) for n in names), fmt(r["acc_healthy"]),
                      fmt(r["acc_degraded"]), delay_text, fmt(r.get("missed"), 2), fmt(r["false_isolations"], 2),
                      fmt(r.get("false_isolated_agents"), 2), fmt(r["tokens_per_task_healthy"], 1, 1e-3),

@@ -123,6 +123,23 @@ def test_run_folder_and_summary(swept, capsys):
     assert "| 3 | 1.4 | 2.0 |" in (run_dir / "report.md").read_text()
 
 
+def test_detection_delay_says_how_many_detections_were_before_onset(swept):
+    """A detection delay of 0 for an agent falsely isolated before it degraded is no detection
+    (decisions P5b): the table says how many were, as report and scale do."""
+    result, _ = swept
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    for r in summary["results"]:
+        assert set(r["onset_detections"]) == {"mean", "std", "min", "max", "n_defined"}
+    r = dict(summary["results"][0], detection_delay=sweep.metrics.stat([0.0, 10.0]),
+             onset_detections=sweep.metrics.stat([1.0, 0.0]))  # fmt: skip
+    headers, rows = sweep.summary_rows(dict(summary, results=[r]), r["dataset"])
+    delay = headers.index("detection delay")
+    assert rows[0][delay] == "5.0 ± 7.1 n=2 (0.5 ± 0.7 before onset)"
+    r["onset_detections"] = sweep.metrics.stat([0.0, 0.0])
+    _, rows = sweep.summary_rows(dict(summary, results=[r]), r["dataset"])
+    assert rows[0][delay] == "5.0 ± 7.1 n=2"
+
+
 def test_parse_grid_forms():
     assert sweep.parse_grid(["alpha=1.0,1.2", "probe_interval=5:15:3"]) == {
         "alpha": (1.0, 1.2), "probe_interval": (5, 10, 15)}  # fmt: skip
