@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
 import signal
 import sys
 import threading
@@ -17,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshheal_jax.config import CHECKPOINT_EVERY_S, ProtocolParams, checks_deferred
-from meshheal_jax.errors import MeshHealError, MeshHealWarning
+from meshheal_jax.errors import Abandoned, MeshHealError, MeshHealWarning
 from meshheal_jax.files import chosen_outs, read_text
 
 
@@ -279,12 +281,36 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame) -> None:
+    if _deferred(signum, frame):
+        return
     # the run is stopping: a later SIGTERM (coreutils' `timeout` signals the process and then its
     # group) must not cut short what the stop writes (checkpoints, a live call's trace) or waits
     # for (a baseline's running program, decisions R5); a Python no-op rather than SIG_IGN, which
     # child processes would inherit. Ctrl-C (SIGINT) or SIGKILL still end the wait
     signal.signal(signal.SIGTERM, _stopping)
     raise Terminated()
+
+
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C: Python's own KeyboardInterrupt, unless it would be lost (`_deferred`)."""
+    if not _deferred(signum, frame):
+        raise KeyboardInterrupt
+
+
+def _deferred(signum, frame) -> bool:
+    """Whether the signal came while Python ran a garbage-collector callback (JAX registers one) or
+    a finaliser (__del__), where an exception raised is printed and dropped ("Exception ignored
+    in"): the stop would be lost, and a SIGTERM's later ones ignored. It is then sent again in a
+    moment, from a thread, to be raised where the run can stop."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+            again = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stopping(signum, frame) -> None:
@@ -320,11 +346,17 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
     folder that cannot be made, a full disk) one line naming the file, status 1; running out of
     memory one line, status 1; Ctrl-C or SIGTERM one line saying what is kept (`stopped`: by
     default what an experiment's run folder keeps), status 130 or 143. Once a SIGTERM has started
-    the stop, later ones are ignored until main() has returned (`_terminate`)."""
+    the stop, later ones are ignored until main() has returned (`_terminate`); a second Ctrl-C
+    while batches still run exits at once, without them (`errors.Abandoned`). A stop signalled
+    while a garbage-collector callback runs is raised a moment later (`_deferred`)."""
     warnings.formatwarning = _warning_line
     main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
     earlier = len(chosen_outs())  # folders chosen before this command (tests run several in one process)
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    # Ctrl-C as Python raises it, unless a user's own handler is there
+    before_int = signal.getsignal(signal.SIGINT) if main_thread else None
+    if before_int is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         main()
     except MeshHealError as err:
@@ -340,10 +372,17 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
     except KeyboardInterrupt as err:
         chosen = chosen_outs()[earlier:]  # the folder a command given no --out made: named, not guessed
         print(f"{stopped}; this run's folder: {chosen[0]}" if chosen else stopped, file=sys.stderr)
-        sys.exit(143 if isinstance(err, Terminated) else 130)
+        status = 143 if isinstance(err, Terminated) else 130
+        if isinstance(err, Abandoned):  # batches run on in threads that an exit would wait for
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        sys.exit(status)
     finally:
         if main_thread and before is not None:  # None: a handler set outside Python, left as it is
             signal.signal(signal.SIGTERM, before)
+        if main_thread and before_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, before_int)
 
 
 def fmt(s: dict | None, digits: int = 3, scale: float = 1.0) -> str:

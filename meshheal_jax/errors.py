@@ -14,3 +14,8 @@ class MeshHealWarning(UserWarning):
 
 class Cancelled(Exception):
     """A run stopped on request from another thread (the runner's Ctrl-C), not an input problem."""
+
+
+class Abandoned(KeyboardInterrupt):
+    """A second stop while batches still run in threads (a baseline's program cannot be cut short):
+    the command exits without waiting for them; what was kept before stays kept."""

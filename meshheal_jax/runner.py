@@ -45,7 +45,7 @@ from meshheal_jax.data import (
     question_pool,
     question_tokens,
 )
-from meshheal_jax.errors import MeshHealError, MeshHealWarning
+from meshheal_jax.errors import Abandoned, MeshHealError, MeshHealWarning
 from meshheal_jax.files import default_out, flush
 from meshheal_jax.params import PAIRS, load_pair, model_path
 from meshheal_jax.streams import (
@@ -489,7 +489,7 @@ class Experiment:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)  # (live settings become a nested dict)
         out["protocol"] = dataclasses.asdict(self.protocol)
-        for key in ("profiles_dir", "params_dir", "edges_file"):
+        for key in PATH_SETTINGS:
             out[key] = None if out[key] is None else str(out[key])
         if self.live is not None:  # the hub sources of this run's datasets, defaults filled in
             out["live"]["hub"] = self.live.hub_record(self.datasets)
@@ -542,7 +542,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 _LOST_CONFIG = ("; to resume, restore its config.json (the one the same command writes into a new folder "
-                "serves), or choose another --out; {out}/parts is left as it is")  # fmt: skip
+                "serves), or choose another --out; {out} is left as it is")  # fmt: skip
 
 
 def _previous_config(out: Path) -> dict:
@@ -578,8 +578,10 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
     if not out.is_dir():
         raise MeshHealError(f"output path {out} exists and is not a folder")
     if not (out / "config.json").exists():
-        if (out / "parts").is_dir():
-            raise MeshHealError(f"output folder {out} holds finished streams (parts/) but no config.json"
+        kept = [what for what, name in (("finished streams (parts/)", "parts"), ("checkpoints (checkpoints/)",
+                "checkpoints")) if (out / name).is_dir()]  # fmt: skip
+        if kept:
+            raise MeshHealError(f"output folder {out} holds {' and '.join(kept)} but no config.json"
                                 f"{_LOST_CONFIG.format(out=out)}")  # fmt: skip
         # config.json.tmp alone: a run killed while writing its first config (write_atomic) is a new one
         if any(path.name != "config.json.tmp" for path in out.iterdir()):
@@ -730,11 +732,24 @@ NOT_COMPARED = ("strong_urls", "weak_urls", "max_in_flight", "strong_max_in_flig
                 "request_timeout_s")  # fmt: skip
 
 
+PATH_SETTINGS = ("profiles_dir", "params_dir", "edges_file")
+
+
+def _same_path(path: str) -> str:
+    """A recorded path as the file it names from here (a relative one: from the current folder)."""
+    return str(Path(path).expanduser().resolve())
+
+
 def comparable(experiment: dict | None) -> dict | None:
     """A run configuration without what does not change results (the live servers' URLs). A folder
     written before a protocol field existed (next_hop_ties), or a live one before reasoning_effort
     and the hub sources were recorded, ran with their defaults; one with baselines written before
-    their model rules were recorded ran EARLIER_BASELINE_RULES."""
+    their model rules were recorded ran EARLIER_BASELINE_RULES. Paths compare as the files they
+    name (`--edges e.csv` and its absolute path are one setting; their contents are compared apart,
+    input_digests)."""
+    if experiment:
+        experiment = {**experiment, **{key: _same_path(experiment[key]) for key in PATH_SETTINGS
+                                       if isinstance(experiment.get(key), str)}}  # fmt: skip
     if experiment and isinstance(experiment.get("protocol"), dict):
         experiment = {**experiment, "protocol": recorded_protocol(experiment["protocol"])}
     if experiment and any(m != "meshheal" for m in experiment.get("methods") or ()):
@@ -742,6 +757,8 @@ def comparable(experiment: dict | None) -> dict | None:
     if not experiment or not experiment.get("live"):
         return experiment
     live = {k: v for k, v in experiment["live"].items() if k not in NOT_COMPARED}
+    if isinstance(live.get("data"), str) and live["data"] not in DATA_SOURCES:  # a folder of files
+        live["data"] = _same_path(live["data"])
     live.setdefault("reasoning_effort", DEFAULT_REASONING_EFFORT)
     if "hub" not in live:
         defaults = LiveSettings((), (), data=live.get("data", "hub"))
@@ -1029,7 +1046,7 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
     # a live run keeps no checkpoints: what an interrupted one kept is its replies, replayed from the cache
     cached = (cached_replies(run_dir) or 0) if exp.backend == "live" and todo else 0
-    if progress and (kept or saved or cached):
+    if kept or saved or cached:  # also under --quiet (no progress bar): it says what was kept
         print(f"resuming {run_dir}: {kept} of {len(streams)} streams already finished"
               + (f", {saved} with a checkpoint" if saved else "")
               + (f", {cached:,} replies in responses.sqlite" if cached else ""), flush=True)  # fmt: skip
@@ -1037,7 +1054,9 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
 
     def keep(stream: tuple, frames: dict[str, pl.DataFrame]) -> None:
         frames = {name: frame for name, frame in frames.items() if name in exp.tables}  # live gives all
-        _write_part(_part_dir(run_dir, *stream), frames)
+        part = _part_dir(run_dir, *stream)
+        if not part.is_dir():  # there: written whole (renamed) by a keep that a Ctrl-C cut short after
+            _write_part(part, frames)
         shutil.rmtree(_checkpoint_dir(run_dir, *stream), ignore_errors=True)  # the part holds it all now
         finished[stream] = frames
 
@@ -1179,6 +1198,7 @@ def _run_side_by_side(jobs: list[tuple], keep, advance, cancel: threading.Event)
     from meshheal_jax import engine
 
     errors: list[BaseException] = []
+    kept: set[tuple] = set()  # (future, stream index) written: a collect cut short by Ctrl-C goes on
 
     def collect(done) -> None:
         method, batch = futures[done]
@@ -1187,16 +1207,19 @@ def _run_side_by_side(jobs: list[tuple], keep, advance, cancel: threading.Event)
         if done.exception() is not None:
             errors.append(done.exception())
             return
-        for stream, frames in zip(batch, done.result()):
-            keep((method, *stream), frames)
-            advance()
+        for k, (stream, frames) in enumerate(zip(batch, done.result())):
+            if (done, k) not in kept:
+                keep((method, *stream), frames)
+                kept.add((done, k))
+                advance()
 
     def drain() -> None:  # in short waits: a signal reaches the main thread only while it runs Python
         while waiting:
             done, _ = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                waiting.discard(future)
+                # a Ctrl-C while it writes leaves the future waiting: the stop's drain writes the rest
                 collect(future)
+                waiting.discard(future)
 
     pool = ThreadPoolExecutor(engine.default_lanes(len(jobs)), thread_name_prefix="meshheal-batch")
     futures = {pool.submit(run): (method, batch) for method, batch, run in jobs}
@@ -1207,7 +1230,10 @@ def _run_side_by_side(jobs: list[tuple], keep, advance, cancel: threading.Event)
         cancel.set()
         for future in waiting:
             future.cancel()
-        drain()
+        try:
+            drain()
+        except KeyboardInterrupt as again:  # the second Ctrl-C: batches still running are abandoned
+            raise Abandoned() from again
         raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

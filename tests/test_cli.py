@@ -454,6 +454,55 @@ def test_a_second_sigterm_does_not_cut_the_stop_short(monkeypatch, capsys):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_stop_signalled_inside_a_gc_callback_is_raised_a_moment_later():
+    """An exception a signal handler raises inside a garbage-collector callback (JAX registers one)
+    is printed and dropped: Ctrl-C and SIGTERM there are sent again a moment later instead."""
+    import gc
+    import threading
+
+    from meshheal_jax import cli as cli_module
+
+    got, frames = [], []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+
+    def callback(phase, info):
+        if not frames:
+            frames.append(sys._getframe())
+
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+        assert cli_module._deferred(signal.SIGUSR1, frames[0])
+        assert not cli_module._deferred(signal.SIGUSR1, sys._getframe())  # ordinary code: raised there
+    finally:
+        gc.callbacks.remove(callback)
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    signal.signal(signal.SIGUSR1, before)
+    assert got == [signal.SIGUSR1]  # sent again, once
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer) and t.is_alive()]
+
+
+def test_a_second_ctrl_c_exits_without_waiting_for_running_batches(tmp_path):
+    """errors.Abandoned (a second Ctrl-C while a baseline's batch runs on): the stop line, status
+    130, and no wait for the thread that an ordinary exit would join."""
+    script = (
+        "import threading, time\n"
+        "from meshheal_jax import cli, errors\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "def main():\n"
+        "    raise errors.Abandoned()\n"
+        "cli.guarded(main)\n"
+    )
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert proc.returncode == 130 and time.monotonic() - started < 40
+    assert proc.stderr.strip().startswith("stopped: finished streams")
+
+
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "no such folder", "out of memory"])
 def test_ctrl_c_sigterm_and_system_errors_print_one_line(stop, monkeypatch, capsys):
     @dataclasses.dataclass
@@ -765,6 +814,13 @@ def test_a_folder_that_lost_its_config_says_how_to_resume(tmp_path):
         prepare_run_dir(exp, out)
     (out / "config.json").write_text('{"trunc')
     with pytest.raises(MeshHealError, match=r"unreadable config.json; to resume, restore its config.json"):
+        prepare_run_dir(exp, out)
+    (out / "config.json").unlink()
+    shutil.rmtree(out / "parts")
+    (out / "checkpoints" / "meshheal-math-default-seed0").mkdir(parents=True)  # checkpoints alone
+    with pytest.raises(
+        MeshHealError, match=r"holds checkpoints \(checkpoints/\) but no config.json; to resume"
+    ):
         prepare_run_dir(exp, out)
 
 

@@ -326,12 +326,13 @@ def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
 
     if engine.default_lanes(2) < 2:
         pytest.skip("needs two cores: both batches running at once")
-    cancel, kept, seen = threading.Event(), [], {}
+    cancel, kept, seen, interrupted = threading.Event(), [], {}, []
 
     def keep(stream, frames):
+        if stream == ("fast", "s") and not interrupted:
+            interrupted.append(stream)
+            raise KeyboardInterrupt  # Ctrl-C arrives while the first finished batch is written
         kept.append((stream, frames))
-        if stream == ("fast", "s"):
-            raise KeyboardInterrupt  # Ctrl-C arrives while the first finished batch is kept
 
     started = threading.Event()
 
@@ -348,7 +349,45 @@ def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
     with pytest.raises(KeyboardInterrupt):
         runner._run_side_by_side(jobs, keep, lambda: None, cancel)
     assert seen == {"cancel": True}
+    # the batch whose writing the Ctrl-C cut short is written by the stop (it was lost before)
     assert kept == [(("fast", "s"), "fast frames"), (("slow", "s"), "slow frames")]
+
+
+def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
+    """A baseline's program cannot be cut short: the stop waits for it, and a second Ctrl-C during
+    that wait raises errors.Abandoned (the command then exits without waiting, cli.guarded)."""
+    import _thread
+    import threading
+
+    from meshheal_jax import engine
+    from meshheal_jax.errors import Abandoned
+
+    if engine.default_lanes(2) < 2:
+        pytest.skip("needs two cores: both batches running at once")
+    cancel, release, started, kept = threading.Event(), threading.Event(), threading.Event(), []
+
+    def baseline():  # ignores cancel, as a compiled baseline program does
+        started.set()
+        release.wait(30)
+        return ["late frames"]
+
+    def fast():
+        started.wait(30)
+        return ["fast frames"]
+
+    def keep(stream, frames):
+        kept.append(stream)
+        if len(kept) == 1:
+            threading.Timer(0.3, _thread.interrupt_main).start()  # the second, while the stop waits
+            raise KeyboardInterrupt
+
+    jobs = [("fast", [("s",)], fast), ("baseline", [("s",)], baseline)]
+    try:
+        with pytest.raises(Abandoned):
+            runner._run_side_by_side(jobs, keep, lambda: None, cancel)
+    finally:
+        release.set()
+    assert cancel.is_set() and kept == [("fast", "s"), ("fast", "s")]  # written again by the stop
 
 
 def test_every_failed_batch_is_named():
@@ -365,3 +404,16 @@ def test_every_failed_batch_is_named():
                                  lambda *_: None, lambda: None, threading.Event())  # fmt: skip
     text = str(info.value) + " ".join(getattr(info.value, "__notes__", []))
     assert "a failed" in text and "b failed" in text
+
+
+def test_a_path_setting_compares_as_the_file_it_names(tmp_path, monkeypatch):
+    """`--edges e.csv` run from its folder and the same file's absolute path resume one run; another
+    file does not (its contents are compared apart, input_digests)."""
+    monkeypatch.chdir(tmp_path)
+    exp = dataclasses.replace(main_experiment(), edges_file=Path("e.csv"), profiles_dir=Path("profiles"))
+    recorded = json.loads(json.dumps(exp.to_json()))
+    assert recorded["edges_file"] == "e.csv"  # recorded as given
+    absolute = dataclasses.replace(exp, edges_file=tmp_path / "e.csv", profiles_dir=tmp_path / "profiles")
+    assert runner.changed_settings(recorded, absolute) == []
+    other = dataclasses.replace(absolute, edges_file=tmp_path / "other.csv", params_dir=tmp_path)
+    assert runner.changed_settings(recorded, other) == ["edges_file", "params_dir"]
