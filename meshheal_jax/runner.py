@@ -13,8 +13,10 @@ Re-running with the same --out resumes: finished streams are kept, the rest run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -584,7 +586,7 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
             raise MeshHealError(f"output folder {out} holds {' and '.join(kept)} but no config.json"
                                 f"{_LOST_CONFIG.format(out=out)}")  # fmt: skip
         # config.json.tmp alone: a run killed while writing its first config (write_atomic) is a new one
-        if any(path.name != "config.json.tmp" for path in out.iterdir()):
+        if any(path.name not in ("config.json.tmp", LOCK_FILE) for path in out.iterdir()):
             raise MeshHealError(f"output folder {out} exists and is not a run folder")
         return None
     previous = _previous_config(out)
@@ -1041,6 +1043,40 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
     if not checkpoint_every >= 0:
         raise MeshHealError(f"--checkpoint-every must be >= 0 seconds, got {checkpoint_every}")
     run_dir = prepare_run_dir(exp, out)
+    with _exclusive(run_dir):
+        return _run_in(exp, run_dir, progress, lanes, checkpoint_every)
+
+
+LOCK_FILE = ".lock"  # held (flock) by the process that runs in the folder
+
+
+@contextlib.contextmanager
+def _exclusive(run_dir: Path):
+    """Hold run_dir alone while a run writes in it: a second run given the same --out is refused
+    (the two would write the same part and checkpoint files). An advisory lock on run_dir/.lock,
+    which the system releases when the process ends, however it ends."""
+    with open(run_dir / LOCK_FILE, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            raise MeshHealError(f"output folder {run_dir} is in use by another run (process {holder}); wait for "
+                                "it to end, or choose another --out") from None  # fmt: skip
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _run_in(
+    exp: Experiment, run_dir: Path, progress: bool, lanes: int | None, checkpoint_every: float
+) -> Results:
+    """run()'s work in its run folder, which it holds alone (`_exclusive`)."""
     streams = exp.streams()
     todo = [s for s in streams if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
     kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)

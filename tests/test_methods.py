@@ -417,3 +417,25 @@ def test_a_path_setting_compares_as_the_file_it_names(tmp_path, monkeypatch):
     assert runner.changed_settings(recorded, absolute) == []
     other = dataclasses.replace(absolute, edges_file=tmp_path / "other.csv", params_dir=tmp_path)
     assert runner.changed_settings(recorded, other) == ["edges_file", "params_dir"]
+
+
+def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path):
+    """Two runs given one --out would write the same part and checkpoint files: while one holds the
+    folder (runner._exclusive), another is refused, naming the holder; once it ends, the folder
+    resumes as usual."""
+    import fcntl
+
+    exp = dataclasses.replace(main_experiment(), seeds=(0,), datasets=("bbh",))
+    out = tmp_path / "run"
+    runner.prepare_run_dir(exp, out)
+    with open(out / runner.LOCK_FILE, "a+") as other:  # another process's lock (one per open file)
+        other.write("4242")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(
+            runner.MeshHealError, match=r"is in use by another run \(process 4242\); wait for it"
+        ):
+            runner.run(exp, out, progress=False)
+        assert not (out / "parts").exists()
+    assert runner.run(exp, out, progress=False).tasks.height > 0  # released: it runs
+    assert runner.run(exp, out, progress=False).tasks.height > 0  # and resumes, holding it again
