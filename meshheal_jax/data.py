@@ -227,24 +227,39 @@ def map_bbh_row(row: dict, task_type: str, where: str, uid: str = "") -> Record:
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
-def _closing_braces(text: str) -> dict[int, int]:
-    """Position of each unescaped `{` -> position of its matching `}`, in one pass over text (a
-    brace after an odd run of backslashes, `\\{`, is escaped; `\\\\{` is not)."""
-    closing: dict[int, int] = {}
-    open_at: list[int] = []
+def _braces(text: str):
+    """(position, brace) of each unescaped `{` and `}` in text (a brace after an odd run of
+    backslashes, `\\{`, is escaped; `\\\\{` is not)."""
     backslashes = 0
     for i, ch in enumerate(text):
         if ch == "\\":
             backslashes += 1
             continue
         escaped, backslashes = backslashes % 2 == 1, 0
-        if escaped:
-            continue
+        if not escaped and ch in "{}":
+            yield i, ch
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Position of each unescaped `{` -> position of its matching `}`, in one pass over text."""
+    closing: dict[int, int] = {}
+    open_at: list[int] = []
+    for i, ch in _braces(text):
         if ch == "{":
             open_at.append(i)
-        elif ch == "}" and open_at:
+        elif open_at:
             closing[open_at.pop()] = i
     return closing
+
+
+def balanced_braces(text: str) -> bool:
+    """Whether every unescaped `{` of text closes and no `}` closes nothing."""
+    depth = 0
+    for _, ch in _braces(text):
+        depth += 1 if ch == "{" else -1
+        if depth < 0:
+            return False
+    return depth == 0
 
 
 def last_boxed_span(text: str) -> tuple[int, str] | None:
@@ -292,6 +307,10 @@ def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     answer = row.get("answer")
     if answer is not None and not (isinstance(answer, float) and math.isnan(answer)) and str(answer).strip():
         gold = _text_field(row, "answer", where).strip()  # a string or a number, never a list or a table
+        if not balanced_braces(gold):
+            raise _row_error(
+                where, f"field 'answer' {gold[:80]!r} has unbalanced braces (cut short or garbled)"
+            )
     else:
         if row.get("solution") is None:
             given = "empty field 'answer'" if answer is not None else "missing field 'answer'"

@@ -252,8 +252,8 @@ def test_missing_field_names_file_row_and_field(tmp_path):
 
 def test_edges_of_the_row_errors(tmp_path):
     """A bad JSONL line names its column; a MATH-500 row without 'subject' names both type fields;
-    a question past MAX_QUESTION_CHARS is refused; a folder's one data file is found whatever the
-    case of its suffix."""
+    a MATH gold with unbalanced braces and a question past MAX_QUESTION_CHARS are refused; a
+    folder's one data file is found whatever the case of its suffix."""
     path = tmp_path / "math.jsonl"
     path.write_text(json.dumps(math_rows()[0]) + '\n{"problem": "x", "type": }\n')
     with pytest.raises(MeshHealError, match=r"row 2: invalid JSON at column 26 \(Expecting value\)"):
@@ -263,6 +263,12 @@ def test_edges_of_the_row_errors(tmp_path):
     rows[1]["subject"] = None
     with pytest.raises(
         MeshHealError, match=r"row 2: missing field 'type' \(MATH\) or 'subject' \(MATH-500\)"
+    ):
+        data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
+    rows = math_rows()
+    rows[2]["answer"] = "\\frac{1}{2"  # cut short: no answer could equal it
+    with pytest.raises(
+        MeshHealError, match=r"row 3: field 'answer' '\\\\frac\{1\}\{2' has unbalanced braces"
     ):
         data.load_local("math", write_jsonl(tmp_path / "math.jsonl", rows))
     rows = math_rows()
