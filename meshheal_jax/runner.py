@@ -1054,7 +1054,8 @@ LOCK_FILE = ".lock"  # held (flock) by the process that runs in the folder
 def _exclusive(run_dir: Path):
     """Hold run_dir alone while a run writes in it: a second run given the same --out is refused
     (the two would write the same part and checkpoint files). An advisory lock on run_dir/.lock,
-    which the system releases when the process ends, however it ends."""
+    which the system releases when the process ends, however it ends. A folder the run cannot
+    write in is an OSError here, before any stream runs."""
     with open(run_dir / LOCK_FILE, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1067,6 +1068,9 @@ def _exclusive(run_dir: Path):
         lock.truncate()
         lock.write(str(os.getpid()))
         lock.flush()
+        probe = run_dir / ".writable"  # a folder it cannot write in fails now, not after the computing
+        probe.touch()
+        probe.unlink()
         try:
             yield
         finally:
