@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import signal
 import sys
@@ -281,8 +280,6 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame) -> None:
-    if _deferred(signum, frame):
-        return
     # the run is stopping: a later SIGTERM (coreutils' `timeout` signals the process and then its
     # group) must not cut short what the stop writes (checkpoints, a live call's trace) or waits
     # for (a baseline's running program, decisions R5); a Python no-op rather than SIG_IGN, which
@@ -291,26 +288,25 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
-def _interrupt(signum, frame) -> None:
-    """Ctrl-C: Python's own KeyboardInterrupt, unless it would be lost (`_deferred`)."""
-    if not _deferred(signum, frame):
-        raise KeyboardInterrupt
+def _stop_dropped(unraisable) -> None:
+    """sys.unraisablehook while a command runs. A Ctrl-C or SIGTERM whose exception was raised
+    where Python drops exceptions (a garbage-collector callback, which JAX registers; a finaliser;
+    a weakref callback: "Exception ignored in") would be lost, and a SIGTERM's later ones ignored:
+    the signal is sent again in a moment, from a thread, to be raised where the run can stop.
+    Anything else goes to the hook that was there."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _UNRAISABLE_BEFORE[-1](unraisable)
+        return
+    signum = signal.SIGINT
+    if isinstance(unraisable.exc_value, Terminated):
+        signum = signal.SIGTERM
+        signal.signal(signal.SIGTERM, _terminate)  # this stop has not started yet
+    again = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+    again.daemon = True
+    again.start()
 
 
-def _deferred(signum, frame) -> bool:
-    """Whether the signal came while Python ran a garbage-collector callback (JAX registers one) or
-    a finaliser (__del__), where an exception raised is printed and dropped ("Exception ignored
-    in"): the stop would be lost, and a SIGTERM's later ones ignored. It is then sent again in a
-    moment, from a thread, to be raised where the run can stop."""
-    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
-    while frame is not None:
-        if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-            again = threading.Timer(0.02, os.kill, (os.getpid(), signum))
-            again.daemon = True
-            again.start()
-            return True
-        frame = frame.f_back
-    return False
+_UNRAISABLE_BEFORE: list = []  # the hooks guarded replaced, innermost last
 
 
 def _stopping(signum, frame) -> None:
@@ -348,15 +344,13 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
     default what an experiment's run folder keeps), status 130 or 143. Once a SIGTERM has started
     the stop, later ones are ignored until main() has returned (`_terminate`); a second Ctrl-C
     while batches still run exits at once, without them (`errors.Abandoned`). A stop signalled
-    while a garbage-collector callback runs is raised a moment later (`_deferred`)."""
+    while a garbage-collector callback runs is raised a moment later (`_stop_dropped`)."""
     warnings.formatwarning = _warning_line
     main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
     earlier = len(chosen_outs())  # folders chosen before this command (tests run several in one process)
     before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    # Ctrl-C as Python raises it, unless a user's own handler is there
-    before_int = signal.getsignal(signal.SIGINT) if main_thread else None
-    if before_int is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupt)
+    _UNRAISABLE_BEFORE.append(sys.unraisablehook)
+    sys.unraisablehook = _stop_dropped
     try:
         main()
     except MeshHealError as err:
@@ -381,8 +375,7 @@ def guarded(main: Callable[[], None], stopped: str = STOPPED) -> None:
     finally:
         if main_thread and before is not None:  # None: a handler set outside Python, left as it is
             signal.signal(signal.SIGTERM, before)
-        if main_thread and before_int is signal.default_int_handler:
-            signal.signal(signal.SIGINT, before_int)
+        sys.unraisablehook = _UNRAISABLE_BEFORE.pop()
 
 
 def fmt(s: dict | None, digits: int = 3, scale: float = 1.0) -> str:

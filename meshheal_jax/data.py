@@ -280,15 +280,15 @@ def last_boxed_span(text: str) -> tuple[int, str] | None:
     return None
 
 
-def boxed_contents(text: str) -> list[str]:
-    """Contents of every complete `\\boxed{...}` / `\\fbox{...}` in text, in order (braces as in
-    last_boxed_span)."""
+def boxed_spans(text: str) -> list[tuple[int, int, str]]:
+    """(start of the `\\boxed`, end past its `}`, content) of every complete `\\boxed{...}` /
+    `\\fbox{...}` in text, in order (braces as in last_boxed_span)."""
     closing = _closing_braces(text)
     found = []
     for match in _BOXED.finditer(text):
         end = closing.get(match.end() - 1)
         if end is not None:
-            found.append(text[match.end() : end].strip())
+            found.append((match.start(), end + 1, text[match.end() : end].strip()))
     return found
 
 
@@ -300,7 +300,7 @@ def last_boxed(text: str) -> str | None:
 
 def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     question = _question_field(row, "problem", where)
-    type_field = "type" if row.get("type") is not None or row.get("subject") is None else "subject"
+    type_field = "type" if row.get("type") is not None else "subject"
     if row.get("type") is None and row.get("subject") is None:
         raise _row_error(where, "missing field 'type' (MATH) or 'subject' (MATH-500): the task type")
     task_type = _text_field(row, type_field, where).strip()

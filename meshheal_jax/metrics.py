@@ -153,8 +153,8 @@ def _mean(df: pl.DataFrame, col: str) -> float | None:
 
 def review_audit(reviews: pl.DataFrame) -> dict:
     """Review audit on non-probe outputs, without SAC's self-scores; probe outputs reported apart
-    (probe_*: their number, mean q, and per author health their number, mean q0 and q, and the
-    share judged low, q <= 0.40)."""
+    (probe_*: their number, mean q, their Takeovers, and per author health their number, mean q0
+    and q, and the share judged low, q <= 0.40)."""
     r = reviews.filter(~pl.col("probe") & ~pl.col("action").is_in(NOT_AUDITED_ACTIONS))
     healthy = r.filter(~pl.col("author_degraded"))
     degraded = r.filter(pl.col("author_degraded"))

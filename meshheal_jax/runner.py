@@ -75,6 +75,7 @@ EARLIER_BASELINE_RULES = {"raps.judge_rule": "caller", "sac.judge_rule": "caller
 NO_DETECTOR = "none"  # the `detector` of a summary entry for a method without one (the baselines)
 
 Stream = tuple[str, str, str, int]  # (method, dataset, pair, seed)
+LOCK_FILE = ".lock"  # in a run folder: held (flock) by the process that runs in it (_exclusive)
 DATA_SOURCES = ("hub", "sample")  # live questions: the Hugging Face hub, the packaged sample, or a folder
 REASONING_EFFORTS = ("low", "medium", "high")  # gpt-oss's levels, spelt as the OpenAI API spells them
 DEFAULT_REASONING_EFFORT = "medium"  # spec/live.md (== backends.live.DEFAULT_REASONING_EFFORT, tested)
@@ -1047,9 +1048,6 @@ def run(exp: Experiment, out: Path | None = None, progress: bool = True, lanes: 
         return _run_in(exp, run_dir, progress, lanes, checkpoint_every)
 
 
-LOCK_FILE = ".lock"  # held (flock) by the process that runs in the folder
-
-
 @contextlib.contextmanager
 def _exclusive(run_dir: Path):
     """Hold run_dir alone while a run writes in it: a second run given the same --out is refused
@@ -1257,8 +1255,13 @@ def _run_side_by_side(jobs: list[tuple], keep, advance, cancel: threading.Event)
         while waiting:
             done, _ = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
-                # a Ctrl-C while it writes leaves the future waiting: the stop's drain writes the rest
-                collect(future)
+                try:
+                    collect(future)
+                except KeyboardInterrupt:  # left waiting: the stop's drain writes the rest
+                    raise
+                except BaseException:  # a write that failed (a full disk): not tried again
+                    waiting.discard(future)
+                    raise
                 waiting.discard(future)
 
     pool = ThreadPoolExecutor(engine.default_lanes(len(jobs)), thread_name_prefix="meshheal-batch")

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 import threading
 
-from meshheal_jax.data import MMLU_PRO_LETTERS, boxed_contents, last_boxed, last_boxed_span
+from meshheal_jax.data import MMLU_PRO_LETTERS, boxed_spans, last_boxed_span
 from meshheal_jax.errors import MeshHealError
 
 SCORED_DATASETS = ("bbh", "math", "mmlu_pro")
@@ -90,8 +91,9 @@ def _repeats(text: str, token: str, at_end: bool = False) -> int:
 def _strip_wrappers(answer: str) -> str:
     """Remove markup around an answer: spaces, markdown, $..$, \\(..\\), \\[..\\], a final period.
 
-    A run of nested pairs ("$$x$$", "\\(\\(x\\)\\)") is removed at once, so the time is linear in
-    the length of the run, not quadratic."""
+    A run of nested pairs of one kind ("$$x$$", "\\(\\(x\\)\\)") is removed at once, so the time is
+    linear in the length of the run; pairs of alternating kinds ("$\\(...\\)$") still take one pass
+    each."""
     previous = None
     while answer != previous:
         previous = answer
@@ -129,11 +131,8 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
         if result is not None and result[0] >= start:  # a RESULT: line whose answer is boxed
             line = result[1]
         answer = line if _hedged(line) else boxed_span[1]
-    elif result is not None:
+    elif result is not None:  # its line holds no box: one there would come after the RESULT
         answer = result[1]
-        boxed = last_boxed(answer)
-        if boxed is not None and not _hedged(answer):
-            answer = boxed
     elif dataset != "math":
         matches = list(_ANSWER_IS.finditer(text))
         if not matches:
@@ -145,10 +144,20 @@ def extract_answer(dataset: str, text: str | None) -> str | None:
     return answer or None
 
 
+_HEDGE_JOINS = ("", ",", "/", ";", "or", ",or")  # between two boxes, spaces and $ left out
+
+
 def _hedged(line: str) -> bool:
-    """Whether a line boxes two different answers ("\\boxed{1} or \\boxed{2}"): a hedge, which
-    extract_answer returns whole and the judges read as no one answer."""
-    return len(set(boxed_contents(line))) > 1
+    """Whether a line boxes two different answers joined as alternatives ("\\boxed{1} or
+    \\boxed{2}", "\\boxed{1}, \\boxed{2}"): a hedge, which extract_answer returns whole and the
+    judges read as no one answer. Boxes joined by anything else ("\\boxed{1/2} = \\boxed{0.5}",
+    "$a=\\boxed{3}$, so $2a=\\boxed{6}$") are a chain of steps: the last is the answer."""
+    boxes = boxed_spans(line)
+    for (_, end, first), (start, _, second) in itertools.pairwise(boxes):
+        join = re.sub(r"[\s$]", "", line[end:start]).casefold()
+        if first != second and join in _HEDGE_JOINS:
+            return True
+    return False
 
 
 def _drop_answer_prefix(text: str) -> str:
@@ -167,7 +176,7 @@ _LETTER_BARE = re.compile(r"^([A-Za-z])(?:[).:!]|$)")
 # after a letter: another one, in brackets ("(B) or (C)", "(B)/(C)", "(B), (C)", "(B) (C)") or
 # bare after a connective ("B) or C)", "B. Or C.")
 _ANOTHER_LETTER = re.compile(
-    r"(?i)^[\s.,;:]*(?:(?:or|and|/|,|;|&)\s*)?[(\[]([A-Za-z])[)\]]|^[\s.,;:]*(?:or|and|/|,|;|&)\s*([A-Za-z])(?:[).:]|\s*$)"
+    r"(?i)^\s*(?:(?:or|and|/|,|;|&)\s*)?[(\[]([A-Za-z])[)\]]|^[\s.,;:]*(?:or|and|/|,|;|&)\s*([A-Za-z])(?:[).:]|\s*$)"
 )
 
 
@@ -187,9 +196,13 @@ def _names_another(written: str, rest: str, options: tuple[str, ...] | None, let
     return own_text is None or not _normalise_text(rest).startswith(_normalise_text(own_text)[:40])
 
 
+_QUOTES = "\"'“”‘’"
+_TEXT_COMMANDS = r"\\(?:text|textbf|mathrm|mathbf)"  # LaTeX's text wrappers around an answer
+
+
 def _normalise_text(text: str) -> str:
     text = _strip_wrappers(text)
-    text = text.strip("\"'“”‘’").strip()
+    text = text.strip(_QUOTES).strip()
     text = re.sub(r"\s+", " ", text)
     return text.rstrip(".!").strip().casefold()
 
@@ -217,8 +230,8 @@ def option_letter(
     text for the S phase) can only be an option's text.
     """
     candidate = _strip_wrappers(answer)
-    candidate = re.sub(r"^\\(?:text|textbf|mathrm|mathbf)\{(.*)\}$", r"\1", candidate).strip()
-    candidate = candidate.strip("\"'“”‘’").strip()
+    candidate = re.sub(rf"^{_TEXT_COMMANDS}\{{(.*)\}}$", r"\1", candidate).strip()
+    candidate = candidate.strip(_QUOTES).strip()
     bare = _LETTER_ONLY.match(candidate)
     if options and not (bare and bare.group(1).upper() in letters):
         for key in (_normalise_text, _past_answer_prefix):
@@ -372,7 +385,7 @@ def _judge_math(text: str | None, gold: str) -> Judgement:
         ) from None
 
 
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}")
+_TEXT_WRAPPER = re.compile(_TEXT_COMMANDS + r"\{([^{}]*)\}")
 _LETTER_LIST = re.compile(r"\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)+")
 
 
@@ -394,8 +407,11 @@ def _judge_math_unguarded(text: str | None, gold: str) -> Judgement:
     gold_letters = _option_letters(gold)
     if gold_letters is not None:  # the options named, in any order
         return Judgement(_option_letters(answer) == gold_letters, OK, answer)
-    if _hedged(answer):  # "\boxed{1} or \boxed{2}": no one answer
-        return Judgement(False, UNPARSABLE, answer)
+    if _hedged(answer):  # "\boxed{1} or \boxed{2}": no one answer, unless all box one value
+        values = [content for *_, content in boxed_spans(answer)]
+        if not all(same_answer("math", v, values[-1]) for v in values[:-1]):
+            return Judgement(False, UNPARSABLE, answer)
+        answer = values[-1]  # "\boxed{x+11} or \boxed{11+x}"
     predicted = _parse_math(answer)
     gold_parsed = list(_parse_gold(_strip_wrappers(gold)))
     if not any(_is_expression(x) for x in gold_parsed):

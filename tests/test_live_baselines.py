@@ -372,9 +372,12 @@ def first_task_host(dataset: str) -> LiveBaselineHost:
 
 def test_math_answer_ids_use_math_equivalence():
     host = first_task_host("math")
-    half = host._answer_id(0, 1, "RESULT: \\frac{1}{2} + 1000")
-    assert half >= 1 and host._answer_id(0, 1, "RESULT: 1000.5") == half  # equal as mathematics
-    assert host._answer_id(0, 1, "RESULT: 1001") not in (0, half)
+    try:
+        half = host._answer_id(0, 1, "RESULT: \\frac{1}{2} + 1000")
+        assert half >= 1 and host._answer_id(0, 1, "RESULT: 1000.5") == half  # equal as mathematics
+        assert host._answer_id(0, 1, "RESULT: 1001") not in (0, half)
+    finally:
+        host.judge.close()  # its MATH judging process
 
 
 def test_a_failing_server_stops_the_run_with_its_error_and_keeps_the_trace(tmp_path):

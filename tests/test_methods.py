@@ -353,6 +353,38 @@ def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
     assert kept == [(("fast", "s"), "fast frames"), (("slow", "s"), "slow frames")]
 
 
+def test_a_batch_that_cannot_be_written_does_not_lose_the_others():
+    """A write that fails (a full disk) is raised once the other batches have ended and been kept;
+    it is not tried again, so the stop's wait for the others goes on."""
+    import threading
+
+    from meshheal_jax import engine
+
+    if engine.default_lanes(2) < 2:
+        pytest.skip("needs two cores: both batches running at once")
+    cancel, started, kept = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        cancel.wait(30)
+        return ["slow frames"]
+
+    def fast():
+        started.wait(30)
+        return ["fast frames"]
+
+    def keep(stream, frames):
+        if stream == ("fast", "s"):
+            raise OSError(28, "No space left on device")
+        kept.append(stream)
+
+    with pytest.raises(OSError, match="No space left"):
+        runner._run_side_by_side(
+            [("fast", [("s",)], fast), ("slow", [("s",)], slow)], keep, lambda: None, cancel
+        )
+    assert kept == [("slow", "s")]
+
+
 def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
     """A baseline's program cannot be cut short: the stop waits for it, and a second Ctrl-C during
     that wait raises errors.Abandoned (the command then exits without waiting, cli.guarded)."""

@@ -408,6 +408,7 @@ def test_a_hedge_over_options_is_unparsable(text):
         "RESULT: (B) or (c)",  # a lowercase letter after an uppercase one: a sub-point, not an option
         "RESULT: B. Vitamin C.",
         "RESULT: B) and C is wrong",
+        "RESULT: (B). (A) was tempting but wrong",  # a sentence after the answer, not a second option
         "RESULT: 'B'",  # quoted, bold, an exclamation (the QA pass of decisions L8)
         "RESULT: \\textbf{B}",
         "RESULT: B!",
@@ -441,6 +442,10 @@ def test_a_bbh_hedge_over_options_is_unparsable():
         ("RESULT:\n\\boxed{1} or \\boxed{2}", "\\boxed{1} or \\boxed{2}"),
         ("first \\boxed{1}\nthen \\boxed{2}", "2"),  # a later line's box is the answer
         ("\\boxed{2}, that is \\boxed{2}", "2"),  # the same value twice
+        ("\\boxed{\\frac{25}{13}} = \\boxed{1\\frac{12}{13}}", "1\\frac{12}{13}"),  # one value restated
+        ("$a=\\boxed{3}$, so $2a=\\boxed{6}$.", "6"),  # a chain of steps: the last is the answer
+        ("\\boxed{\\frac12}, i.e. \\boxed{0.5}", "0.5"),
+        ("RESULT: \\boxed{1}/\\boxed{2}", "\\boxed{1}/\\boxed{2}"),
     ],
 )
 def test_a_line_boxing_two_values_is_extracted_whole(text, expected):
@@ -451,6 +456,10 @@ def test_a_math_hedge_is_unparsable_whichever_value_is_gold(math_verify):
     for gold in ("1", "2"):
         verdict = judge("math", "RESULT: \\boxed{1} or \\boxed{2}", gold)
         assert (verdict.correct, verdict.status) == (False, UNPARSABLE)
+    # one value boxed twice (MATH's own solutions do: idx 3628, 4258) is that value
+    assert judge("math", "This yields $\\boxed{x+11}$ or $\\boxed{11+x}$.", "11+x") == scoring.Judgement(
+        True, OK, "11+x"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

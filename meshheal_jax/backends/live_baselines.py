@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import signal
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -74,29 +75,34 @@ class MathJudge:
     run: a thread cannot be stopped, and sympy's big-integer arithmetic (`\\boxed{10^{10^{10}}}`)
     holds Python's lock, so a watching thread never runs again. In the child's main thread
     math-verify's own limits work; a child past `limit_s` anyway is killed and the next MATH call
-    starts another. The child is started (spawn: no copy of this process's XLA threads) at the
-    first MATH call, and judges one answer first, so an install that cannot score MATH fails there."""
+    starts another. The child is started (spawn: no copy of this process's XLA threads; Ctrl-C
+    ignored, the parent stops it) at the first MATH call, and judges one answer first, within
+    START_S, so an install that cannot score MATH fails there. Calls take turns (the host's
+    lock): one queued behind another would count the other's time against its limit."""
+
+    START_S = 120
 
     def __init__(self, limit_s: float | None = None):
         self.limit_s = 3 * scoring.MATH_TIMEOUT_S if limit_s is None else limit_s
         self._pool = None
-        self._lock = threading.Lock()
 
     def __call__(self, fn, dataset: str, *args):
         if dataset != "math":
             return fn(dataset, *args)
-        with self._lock:
-            if self._pool is None:
-                self._pool = multiprocessing.get_context("spawn").Pool(1)
-                self._pool.apply(scoring.judge, ("math", "RESULT: 1", "1"))  # started, and math-verify there
-            pool = self._pool
-        pending = pool.apply_async(fn, (dataset, *args))
+        if self._pool is None:
+            self._pool = multiprocessing.get_context("spawn").Pool(
+                1, signal.signal, (signal.SIGINT, signal.SIG_IGN)
+            )
+            try:
+                self._pool.apply_async(scoring.judge, ("math", "RESULT: 1", "1")).get(self.START_S)
+            except multiprocessing.TimeoutError:
+                self.close()
+                raise MeshHealError(f"live baselines: the MATH judging process did not answer within "
+                                    f"{self.START_S} s of its start") from None  # fmt: skip
         try:
-            return pending.get(self.limit_s)
+            return self._pool.apply_async(fn, (dataset, *args)).get(self.limit_s)
         except multiprocessing.TimeoutError:
-            with self._lock:
-                if self._pool is pool:
-                    self.close()
+            self.close()
             return None
 
     def close(self) -> None:
