@@ -1081,7 +1081,9 @@ def _run_in(
     """run()'s work in its run folder, which it holds alone (`_exclusive`)."""
     streams = exp.streams()
     todo = [s for s in streams if not _part_readable(_part_dir(run_dir, *s), exp.tables)]
-    kept, saved = len(streams) - len(todo), sum(_checkpoint_dir(run_dir, *s).is_dir() for s in todo)
+    kept = len(streams) - len(todo)
+    # checkpoints committed (their state.json, checkpoints.STATE: imported, it would import JAX)
+    saved = sum((_checkpoint_dir(run_dir, *s) / "state.json").is_file() for s in todo)
     # a live run keeps no checkpoints: what an interrupted one kept is its replies, replayed from the cache
     cached = (cached_replies(run_dir) or 0) if exp.backend == "live" and todo else 0
     if kept or saved or cached:  # also under --quiet (no progress bar): it says what was kept

@@ -471,3 +471,17 @@ def test_a_run_folder_in_use_by_another_run_is_refused(tmp_path):
         assert not (out / "parts").exists()
     assert runner.run(exp, out, progress=False).tasks.height > 0  # released: it runs
     assert runner.run(exp, out, progress=False).tasks.height > 0  # and resumes, holding it again
+
+
+def test_the_resume_line_counts_committed_checkpoints_only(tmp_path, capsys):
+    """A checkpoint folder without its state.json (a first save cut short) is no checkpoint: the
+    stream starts again at task 1, and the resume line does not count it."""
+    exp = dataclasses.replace(main_experiment(), engine="jax", seeds=(0,), datasets=("bbh",))
+    out = tmp_path / "run"
+    runner.prepare_run_dir(exp, out)
+    (
+        runner._checkpoint_dir(out, "meshheal", "bbh", "default", 0) / "records-00000.tasks.parquet"
+    ).parent.mkdir(parents=True)
+    capsys.readouterr()
+    runner.run(exp, out, progress=False)
+    assert "with a checkpoint" not in capsys.readouterr().out
