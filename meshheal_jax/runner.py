@@ -596,11 +596,12 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
             f"output folder {out} holds a run of an older layout (one method, parts without the method); "
             "choose another --out"
         )  # fmt: skip
-    changed = ", ".join(changed_settings(previous["experiment"], exp)[:6])
-    if changed:
+    keys = changed_settings(previous["experiment"], exp)
+    if keys:
         raise MeshHealError(
-            f"output folder {out} holds a run of a different configuration ({changed} differ); choose another --out"
-            + _no_work_yet(out)
+            f"output folder {out} holds a run of a different configuration ({', '.join(keys[:6])} differ); choose "
+            f"another --out{_no_work_yet(out)}; recorded {_settings_text(previous['experiment'], keys)}, "
+            f"given {_settings_text(json.loads(json.dumps(exp.to_json())), keys)}"
         )
     inputs = input_digests(exp)
     changed = [
@@ -614,6 +615,24 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
             "choose another --out, or restore the file(s) to resume"
         )
     return previous
+
+
+def _settings_text(experiment: dict, keys: list[str]) -> str:
+    """key=value of the first three of `keys` (dotted, as `differences` names them) in a
+    configuration as comparable() reads it, long values cut; the model rules that follow from the
+    methods (baseline_rules) left out."""
+    parts = []
+    for key in [k for k in keys if not k.startswith("baseline_rules.")][:3]:
+        value, rest = comparable(experiment), key
+        while rest and isinstance(value, dict):  # a key may hold dots itself ("raps.judge_rule")
+            head = next(
+                (k for k in sorted(value, key=len, reverse=True) if rest == k or rest.startswith(k + ".")),
+                None,
+            )
+            value, rest = (value[head], rest[len(head) + 1 :]) if head is not None else (None, "")
+        text = json.dumps(value)
+        parts.append(f"{key}={text if len(text) <= 60 else text[:57] + '...'}")
+    return ", ".join(parts)
 
 
 def _no_work_yet(out: Path) -> str:

@@ -202,16 +202,20 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
         prepare_run_dir(other, out)
     nothing_lost = "(it holds no finished stream, checkpoint or model reply yet: deleting it loses nothing)"
     assert nothing_lost in str(refused.value)
+    assert str(refused.value).endswith("; recorded n_tasks=42, given n_tasks=84")
     (out / "responses.sqlite").write_bytes(b"not a database")  # unreadable: it may hold replies
-    with pytest.raises(MeshHealError, match=r"choose another --out$"):
+    with pytest.raises(MeshHealError, match=r"choose another --out; recorded n_tasks=42, given n_tasks=84$"):
         prepare_run_dir(other, out)
     (out / "responses.sqlite").unlink()
     (out / "parts" / "meshheal-math-default-seed0").mkdir(parents=True)  # a finished stream
-    with pytest.raises(MeshHealError, match=r"choose another --out$"):
+    with pytest.raises(MeshHealError, match=r"choose another --out; recorded n_tasks=42, given n_tasks=84$"):
         prepare_run_dir(other, out)
     other = Experiment(name="main", datasets=("math",), pairs=("default",), seeds=(0,), n_tasks=42,
                        protocol=ProtocolParams(alpha=1.5))  # fmt: skip
-    with pytest.raises(MeshHealError, match=r"\(protocol.alpha differ\)"):
+    with pytest.raises(
+        MeshHealError,
+        match=r"\(protocol.alpha differ\).*recorded protocol.alpha=1.2, given protocol.alpha=1.5$",
+    ):
         prepare_run_dir(other, out)
 
 
