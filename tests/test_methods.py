@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -414,10 +415,14 @@ def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
             raise KeyboardInterrupt
 
     jobs = [("fast", [("s",)], fast), ("baseline", [("s",)], baseline)]
+    before = signal.signal(
+        signal.SIGINT, signal.default_int_handler
+    )  # interrupt_main needs it (xdist ignores it)
     try:
         with pytest.raises(Abandoned):
             runner._run_side_by_side(jobs, keep, lambda: None, cancel)
     finally:
+        signal.signal(signal.SIGINT, before)
         release.set()
     assert cancel.is_set() and kept == [("fast", "s"), ("fast", "s")]  # written again by the stop
 
