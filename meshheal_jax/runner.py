@@ -968,12 +968,19 @@ def run_baseline_streams(
 
 
 def _write_tables(folder: Path, frames: dict[str, pl.DataFrame]) -> None:
-    """One parquet file per table, written side by side (polars writes without the GIL)."""
+    """One parquet file per table, written side by side (polars writes without the GIL), each
+    whole or not at all: a write a stop cuts short leaves the file as it was, not a file cut short."""
     with ThreadPoolExecutor(len(frames) or 1) as pool:
         for done in [
-            pool.submit(df.write_parquet, folder / f"{name}.parquet") for name, df in frames.items()
+            pool.submit(_write_table, df, folder / f"{name}.parquet") for name, df in frames.items()
         ]:
             done.result()
+
+
+def _write_table(df: pl.DataFrame, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    df.write_parquet(tmp)
+    os.replace(tmp, path)
 
 
 def _write_part(part: Path, frames: dict[str, pl.DataFrame]) -> None:

@@ -488,3 +488,20 @@ def test_the_resume_line_counts_committed_checkpoints_only(tmp_path, capsys):
     capsys.readouterr()
     runner.run(exp, out, progress=False)
     assert "with a checkpoint" not in capsys.readouterr().out
+
+
+def test_a_table_write_cut_short_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """A stop during the final tables' write left 0-byte parquet files beside the old summary.json:
+    each table is now written beside its place and moved there whole."""
+    old = pl.DataFrame({"t": [1, 2]})
+    runner._write_tables(tmp_path, {"tasks": old})
+
+    def cut_short(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"PAR1")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pl.DataFrame, "write_parquet", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        runner._write_tables(tmp_path, {"tasks": pl.DataFrame({"t": [3]})})
+    monkeypatch.undo()
+    assert pl.read_parquet(tmp_path / "tasks.parquet").equals(old)
