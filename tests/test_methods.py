@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -318,16 +319,36 @@ def test_jax_batches_side_by_side_keep_what_finished_when_one_fails(tmp_path, mo
         assert getattr(resumed, name).equals(getattr(whole, name), null_equal=True), name
 
 
-def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
-    """decisions R5: an interrupt in the main thread sets `cancel`; a running batch that sees it
-    ends, and what it returns is kept before KeyboardInterrupt is raised."""
-    import threading
-
+def two_batches(until: threading.Event, other: str = "slow", seen: dict | None = None) -> list[tuple]:
+    """Jobs for runner._run_side_by_side, both running at once (skipped with fewer than two lanes):
+    "fast" returns once the other has started; the other returns when `until` is set, as a lane
+    that sees `cancel` does (or, given another event, a baseline's program that cannot be cut
+    short), noting in `seen` whether it was set."""
     from meshheal_jax import engine
 
     if engine.default_lanes(2) < 2:
         pytest.skip("needs two cores: both batches running at once")
+    started = threading.Event()
+
+    def other_batch():
+        started.set()
+        was_set = until.wait(30)
+        if seen is not None:
+            seen["cancel"] = was_set
+        return [f"{other} frames"]
+
+    def fast():
+        started.wait(30)  # both running (two threads on any machine with two cores or more)
+        return ["fast frames"]
+
+    return [("fast", [("s",)], fast), (other, [("s",)], other_batch)]
+
+
+def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
+    """decisions R5: an interrupt in the main thread sets `cancel`; a running batch that sees it
+    ends, and what it returns is kept before KeyboardInterrupt is raised."""
     cancel, kept, seen, interrupted = threading.Event(), [], {}, []
+    jobs = two_batches(cancel, seen=seen)
 
     def keep(stream, frames):
         if stream == ("fast", "s") and not interrupted:
@@ -335,18 +356,6 @@ def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
             raise KeyboardInterrupt  # Ctrl-C arrives while the first finished batch is written
         kept.append((stream, frames))
 
-    started = threading.Event()
-
-    def slow():
-        started.set()
-        seen["cancel"] = cancel.wait(30)
-        return ["slow frames"]
-
-    def fast():
-        started.wait(30)  # both running (two threads on any machine with two cores or more)
-        return ["fast frames"]
-
-    jobs = [("fast", [("s",)], fast), ("slow", [("s",)], slow)]
     with pytest.raises(KeyboardInterrupt):
         runner._run_side_by_side(jobs, keep, lambda: None, cancel)
     assert seen == {"cancel": True}
@@ -357,22 +366,8 @@ def test_ctrl_c_cancels_the_batches_and_keeps_those_that_finish():
 def test_a_batch_that_cannot_be_written_does_not_lose_the_others():
     """A write that fails (a full disk) is raised once the other batches have ended and been kept;
     it is not tried again, so the stop's wait for the others goes on."""
-    import threading
-
-    from meshheal_jax import engine
-
-    if engine.default_lanes(2) < 2:
-        pytest.skip("needs two cores: both batches running at once")
-    cancel, started, kept = threading.Event(), threading.Event(), []
-
-    def slow():
-        started.set()
-        cancel.wait(30)
-        return ["slow frames"]
-
-    def fast():
-        started.wait(30)
-        return ["fast frames"]
+    cancel, kept = threading.Event(), []
+    jobs = two_batches(cancel)
 
     def keep(stream, frames):
         if stream == ("fast", "s"):
@@ -380,9 +375,7 @@ def test_a_batch_that_cannot_be_written_does_not_lose_the_others():
         kept.append(stream)
 
     with pytest.raises(OSError, match="No space left"):
-        runner._run_side_by_side(
-            [("fast", [("s",)], fast), ("slow", [("s",)], slow)], keep, lambda: None, cancel
-        )
+        runner._run_side_by_side(jobs, keep, lambda: None, cancel)
     assert kept == [("slow", "s")]
 
 
@@ -390,23 +383,11 @@ def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
     """A baseline's program cannot be cut short: the stop waits for it, and a second Ctrl-C during
     that wait raises errors.Abandoned (the command then exits without waiting, cli.guarded)."""
     import _thread
-    import threading
 
-    from meshheal_jax import engine
     from meshheal_jax.errors import Abandoned
 
-    if engine.default_lanes(2) < 2:
-        pytest.skip("needs two cores: both batches running at once")
-    cancel, release, started, kept = threading.Event(), threading.Event(), threading.Event(), []
-
-    def baseline():  # ignores cancel, as a compiled baseline program does
-        started.set()
-        release.wait(30)
-        return ["late frames"]
-
-    def fast():
-        started.wait(30)
-        return ["fast frames"]
+    cancel, release, kept = threading.Event(), threading.Event(), []
+    jobs = two_batches(release, other="baseline")  # it ignores cancel, as a compiled baseline program does
 
     def keep(stream, frames):
         kept.append(stream)
@@ -414,10 +395,8 @@ def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
             threading.Timer(0.3, _thread.interrupt_main).start()  # the second, while the stop waits
             raise KeyboardInterrupt
 
-    jobs = [("fast", [("s",)], fast), ("baseline", [("s",)], baseline)]
-    before = signal.signal(
-        signal.SIGINT, signal.default_int_handler
-    )  # interrupt_main needs it (xdist ignores it)
+    # interrupt_main needs Python's own SIGINT handler, which pytest-xdist's workers do not have
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(Abandoned):
             runner._run_side_by_side(jobs, keep, lambda: None, cancel)
@@ -433,8 +412,6 @@ def test_every_failed_batch_is_named():
             raise RuntimeError(message)
 
         return run
-
-    import threading
 
     with pytest.raises(RuntimeError) as info:
         runner._run_side_by_side([("a", [("s",)], fail("a failed")), ("b", [("s",)], fail("b failed"))],
