@@ -596,12 +596,14 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
             f"output folder {out} holds a run of an older layout (one method, parts without the method); "
             "choose another --out"
         )  # fmt: skip
-    keys = changed_settings(previous["experiment"], exp)
-    if keys:
+    settings = changed_values(previous["experiment"], exp)
+    if settings:
+        names = ", ".join(key for key, _, _ in settings[:6])
+        # baseline_rules follow from the methods: not shown
+        shown = [s for s in settings if not s[0].startswith("baseline_rules.")][:3]
         raise MeshHealError(
-            f"output folder {out} holds a run of a different configuration ({', '.join(keys[:6])} differ); choose "
-            f"another --out{_no_work_yet(out)}; recorded {_settings_text(previous['experiment'], keys)}, "
-            f"given {_settings_text(json.loads(json.dumps(exp.to_json())), keys)}"
+            f"output folder {out} holds a run of a different configuration ({names} differ); choose another --out"
+            f"{_no_work_yet(out)}; recorded {_settings_text(shown, 1)}, given {_settings_text(shown, 2)}"
         )
     inputs = input_digests(exp)
     changed = [
@@ -617,22 +619,10 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
     return previous
 
 
-def _settings_text(experiment: dict, keys: list[str]) -> str:
-    """key=value of the first three of `keys` (dotted, as `differences` names them) in a
-    configuration as comparable() reads it, long values cut; the model rules that follow from the
-    methods (baseline_rules) left out."""
-    parts = []
-    for key in [k for k in keys if not k.startswith("baseline_rules.")][:3]:
-        value, rest = comparable(experiment), key
-        while rest and isinstance(value, dict):  # a key may hold dots itself ("raps.judge_rule")
-            head = next(
-                (k for k in sorted(value, key=len, reverse=True) if rest == k or rest.startswith(k + ".")),
-                None,
-            )
-            value, rest = (value[head], rest[len(head) + 1 :]) if head is not None else (None, "")
-        text = json.dumps(value)
-        parts.append(f"{key}={text if len(text) <= 60 else text[:57] + '...'}")
-    return ", ".join(parts)
+def _settings_text(changed: list[tuple], side: int) -> str:
+    """One side (1 recorded, 2 given) of changed_values' triples as key=value, long values cut."""
+    values = ((c[0], json.dumps(c[side])) for c in changed)
+    return ", ".join(f"{key}={text if len(text) <= 60 else text[:57] + '...'}" for key, text in values)
 
 
 def _no_work_yet(out: Path) -> str:
@@ -734,18 +724,23 @@ def input_digests(exp: Experiment) -> dict[str, dict]:
 def changed_settings(recorded: dict | None, exp: Experiment) -> list[str]:
     """The settings (dotted keys) in which `exp` differs from a run folder's recorded experiment
     (those that change results: `comparable`; a key missing before reads as None)."""
+    return [key for key, _, _ in changed_values(recorded, exp)]
+
+
+def changed_values(recorded: dict | None, exp: Experiment) -> list[tuple[str, object, object]]:
+    """changed_settings with each setting's recorded and given value: (key, recorded, given)."""
     return differences(comparable(recorded) or {}, comparable(json.loads(json.dumps(exp.to_json()))) or {})
 
 
-def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two configurations."""
+def differences(before: dict, now: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, before, now) of each value that differs between two configurations."""
     out = []
     for key in sorted(set(before) | set(now)):
         a, b = before.get(key), now.get(key)
         if dict in (type(a), type(b)) and all(isinstance(x, dict | None) for x in (a, b)):
             out += differences(a or {}, b or {}, f"{prefix}{key}.")  # a table given once: its keys
         elif a != b:
-            out.append(f"{prefix}{key}")
+            out.append((f"{prefix}{key}", a, b))
     return out
 
 
