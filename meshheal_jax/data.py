@@ -262,6 +262,16 @@ def balanced_braces(text: str) -> bool:
     return depth == 0
 
 
+def _complete_boxes(text: str) -> list[tuple[int, int, int]]:
+    """(start of the `\\boxed`, start of its content, position of its closing `}`) of every complete
+    `\\boxed{...}` / `\\fbox{...}` in text, in order; one pass over text for the braces."""
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return []
+    closing = _closing_braces(text)
+    return [(m.start(), m.end(), closing[m.end() - 1]) for m in matches if m.end() - 1 in closing]
+
+
 def last_boxed_span(text: str) -> tuple[int, str] | None:
     """(start of the `\\boxed`, content) of the last complete `\\boxed{...}` / `\\fbox{...}`.
 
@@ -269,27 +279,17 @@ def last_boxed_span(text: str) -> tuple[int, str] | None:
     close is skipped in favour of an earlier complete one. None if there is none. Linear in the
     text's length, however many `\\boxed{` never close.
     """
-    starts = [(m.start(), m.end()) for m in _BOXED.finditer(text)]
-    if not starts:
+    boxes = _complete_boxes(text)
+    if not boxes:
         return None
-    closing = _closing_braces(text)
-    for start, content_start in reversed(starts):
-        end = closing.get(content_start - 1)
-        if end is not None:
-            return start, text[content_start:end].strip()
-    return None
+    start, begin, end = boxes[-1]
+    return start, text[begin:end].strip()
 
 
 def boxed_spans(text: str) -> list[tuple[int, int, str]]:
     """(start of the `\\boxed`, end past its `}`, content) of every complete `\\boxed{...}` /
     `\\fbox{...}` in text, in order (braces as in last_boxed_span)."""
-    closing = _closing_braces(text)
-    found = []
-    for match in _BOXED.finditer(text):
-        end = closing.get(match.end() - 1)
-        if end is not None:
-            found.append((match.start(), end + 1, text[match.end() : end].strip()))
-    return found
+    return [(start, end + 1, text[begin:end].strip()) for start, begin, end in _complete_boxes(text)]
 
 
 def last_boxed(text: str) -> str | None:
