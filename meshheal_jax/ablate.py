@@ -145,11 +145,12 @@ def print_summary(summary: dict) -> None:
         "on probes/seed",
     )  # fmt: skip
     for r in results:
+        audit = r.get("review_audit", {})
         table.add_row(
             r["variant"], fmt(r["acc_healthy"]), fmt(r["acc_degraded"]), fmt(r["phase_change"]),
             fmt(r["calls_per_task_healthy"], 1), fmt(r["calls_per_task_degraded"], 1),
             fmt(r["tokens_per_task_healthy"], 1, 1e-3), fmt(r["tokens_per_task_degraded"], 1, 1e-3),
-            fmt(r.get("review_audit", {}).get("takeovers"), 1), fmt(r.get("review_audit", {}).get("probe_takeovers"), 1),
+            fmt(audit.get("takeovers"), 1), fmt(audit.get("probe_takeovers"), 1),
         )  # fmt: skip
     print_table(table)
     agents = [a["agent"] for a in first.get("agents", [])]

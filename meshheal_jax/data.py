@@ -300,10 +300,9 @@ def last_boxed(text: str) -> str | None:
 
 def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
     question = _question_field(row, "problem", where)
-    type_field = "type" if row.get("type") is not None else "subject"
     if row.get("type") is None and row.get("subject") is None:
         raise _row_error(where, "missing field 'type' (MATH) or 'subject' (MATH-500): the task type")
-    task_type = _text_field(row, type_field, where).strip()
+    task_type = _text_field(row, "type" if row.get("type") is not None else "subject", where).strip()
     answer = row.get("answer")
     if answer is not None and not (isinstance(answer, float) and math.isnan(answer)) and str(answer).strip():
         gold = _text_field(row, "answer", where).strip()  # a string or a number, never a list or a table
