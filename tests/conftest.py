@@ -78,3 +78,19 @@ def bbh_doc(packaged_docs) -> dict:
 @pytest.fixture(scope="session")
 def bbh_profile() -> topology.Profile:
     return topology.load_profile("bbh")
+
+
+@pytest.fixture
+def terminal_sigint():
+    """Python's own SIGINT handler in this process for the test's duration, as in a terminal: a
+    Ctrl-C here raises KeyboardInterrupt (`_thread.interrupt_main` needs that too), and a process the
+    test starts begins with SIGINT at its default, since exec resets a caught signal. pytest started
+    in the background (`cmd &`) ignores SIGINT, and its xdist workers and their children inherit
+    that; bash cannot even trap a signal ignored on entry. Without this, a test that stops a child
+    with SIGINT passed or hung depending on how pytest was started and on whether an earlier test
+    in the same worker had left a handler installed (CI88's one failure)."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -97,7 +97,7 @@ def test_rerun_resends_nothing_and_gives_the_same_results(live_main, tmp_path, c
     )  # replays not counted
 
 
-def test_a_live_run_stopped_mid_round_says_one_line(tmp_path):
+def test_a_live_run_stopped_mid_round_says_one_line(tmp_path, terminal_sigint):
     """Ctrl-C while a round's calls are out: the run's one-line stop and status 130, with no
     asyncio "exception was never retrieved" traceback after it (it followed in most such stops)."""
     import os

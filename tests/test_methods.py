@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -379,7 +378,7 @@ def test_a_batch_that_cannot_be_written_does_not_lose_the_others():
     assert kept == [("slow", "s")]
 
 
-def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
+def test_a_second_ctrl_c_abandons_a_batch_that_runs_on(terminal_sigint):  # interrupt_main needs it
     """A baseline's program cannot be cut short: the stop waits for it, and a second Ctrl-C during
     that wait raises errors.Abandoned (the command then exits without waiting, cli.guarded)."""
     import _thread
@@ -395,13 +394,10 @@ def test_a_second_ctrl_c_abandons_a_batch_that_runs_on():
             threading.Timer(0.3, _thread.interrupt_main).start()  # the second, while the stop waits
             raise KeyboardInterrupt
 
-    # interrupt_main needs Python's own SIGINT handler, which pytest-xdist's workers do not have
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(Abandoned):
             runner._run_side_by_side(jobs, keep, lambda: None, cancel)
     finally:
-        signal.signal(signal.SIGINT, before)
         release.set()
     assert cancel.is_set() and kept == [("fast", "s"), ("fast", "s")]  # written again by the stop
 

@@ -402,7 +402,7 @@ def test_start_detached_then_stop(fake_vllm):
     assert not (run_dir / "strong.pid").exists() and not (run_dir / "weak.pid").exists()
 
 
-def test_ctrl_c_stops_both(fake_vllm):
+def test_ctrl_c_stops_both(fake_vllm, terminal_sigint):
     env, args, _record, ports, run_dir = fake_vllm
     base = {k: v for k, v in os.environ.items() if not k.startswith("MESHHEAL_") and k != "HF_TOKEN"}
     proc = subprocess.Popen(
