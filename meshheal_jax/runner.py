@@ -409,6 +409,15 @@ class Experiment:
             check_window_memory(self.protocol, self.n_agents, shapes, len(self.seeds) * len(self.pairs))
         if self.n_tasks < 1:
             raise MeshHealError(f"tasks per stream must be >= 1, got {self.n_tasks}")
+        if self.name == "recovery":  # five equal phases of whole blocks: say the one number that fits
+            for profile in profiles:
+                block = BLOCK_PER_TYPE * len(profile.task_types)
+                if self.n_tasks % (5 * block):
+                    raise MeshHealError(
+                        f"the recovery stream's length must be a positive multiple of {5 * block} (five equal "
+                        f"phases of whole blocks of {block} tasks, 6 per {profile.dataset} task type), "
+                        f"got {self.n_tasks}"
+                    )
         degraded = self.schedule().ever_degraded()
         for dataset in self.datasets:
             network = self.network(dataset)

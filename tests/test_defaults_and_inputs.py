@@ -80,6 +80,16 @@ def test_baselines_refuse_several_slots():
             dataclasses.replace(exp, methods=("meshheal", "sac"), slots=slots).validate()
 
 
+def test_recovery_names_the_one_length_that_fits():
+    """The recovery stream needs five equal phases of whole blocks (42 tasks for MATH's 7 types):
+    --tasks 100 or 84 is refused naming 210, not the 42-task block or the five phases alone."""
+    exp = runner.Experiment("recovery", ("math",), ("default",), (0,), methods=("meshheal",), n_tasks=210)
+    exp.validate()
+    for n in (100, 84, 42, 205):
+        with pytest.raises(MeshHealError, match=f"positive multiple of 210 .*got {n}$"):
+            dataclasses.replace(exp, n_tasks=n).validate()
+
+
 def test_commands_default_to_the_spec_s_experiments():
     """spec/experiments.md: 5 seeds (0..4) by default; §1 all datasets, 504 tasks, every method;
     §2 MATH, 630 tasks; §4 BBH, 504 tasks, every variant; §5 BBH, 504 tasks, pairs A and B, every
