@@ -228,11 +228,22 @@ def dataset_facts(datasets: Sequence[str], profiles_dir: str | None) -> pl.DataF
                                       "question_tokens": pl.Int64})  # fmt: skip
 
 
+def check_run_folder(run_dir: Path) -> None:
+    """A folder that is no run folder is named as what it is: missing, or a top folder of run
+    folders (`scale` writes one per topology, `sweep` one per value)."""
+    if not run_dir.is_dir():
+        raise MeshHealError(f"run folder {run_dir} does not exist")
+    if not (run_dir / "calls.parquet").exists():
+        inner = sorted(str(d) for d in run_dir.iterdir() if (d / "calls.parquet").is_file())
+        if inner:
+            shown = " ".join(inner[:4]) + (f" (and {len(inner) - 4} more)" if len(inner) > 4 else "")
+            raise MeshHealError(f"{run_dir} is a folder of run folders, not a run: give those ({shown})")
+
+
 def read_run(run_dir: Path, run: int, base_dir: Path) -> tuple[dict[str, pl.DataFrame], bool, str]:
     """One run folder's MeshHeal rows, labelled; whether it carries latent truth; and a fingerprint
     of its calls (`calls_fingerprint`)."""
-    if not run_dir.is_dir():
-        raise MeshHealError(f"run folder {run_dir} does not exist")
+    check_run_folder(run_dir)
     frames = {name: read_table(run_dir, name).filter(pl.col("method") == "meshheal") for name in NEEDED}
     calls = frames["calls"]
     if calls.is_empty():
@@ -1314,6 +1325,7 @@ def twin_experiments(run_dirs: Sequence[Path], twin_dir: Path) -> list:
 
     out = []
     for run_dir in (Path(d) for d in run_dirs):
+        check_run_folder(run_dir)
         try:
             experiment = read_experiment(run_dir)
             if not experiment:

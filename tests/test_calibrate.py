@@ -270,6 +270,12 @@ def test_other_bad_input(trip, tmp_path):
         C.calibrate([], tmp_path / "fit")
     with pytest.raises(MeshHealError, match="does not exist"):
         C.calibrate([tmp_path / "nowhere"], tmp_path / "fit")
+    top = tmp_path / "scale-top"  # `scale` writes one run folder per topology under its --out
+    shutil.copytree(out / "traced", top / "sparse")
+    for check in (C.twin_experiments, lambda dirs, fit: C.calibrate(dirs, fit)):
+        with pytest.raises(MeshHealError, match=r"scale-top is a folder of run folders, not a run: give those "
+                                                 r"\(.*scale-top/sparse\)"):  # fmt: skip
+            check([top], tmp_path / "fit")
     with pytest.raises(MeshHealError, match="packaged parameter folder"):
         C.calibrate([out / "traced"], MODEL_DIR)
     run = tmp_path / "unknown-model"
