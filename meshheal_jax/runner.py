@@ -610,9 +610,12 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
         names = ", ".join(key for key, _, _ in settings[:6])
         # baseline_rules follow from the methods: not shown
         shown = [s for s in settings if not s[0].startswith("baseline_rules.")][:3]
+        reordered = [key for key, a, b in settings if _reordered(a, b)]
+        hint = (f" ({', '.join(reordered)}: the same values in another order; give them in the recorded order, "
+                "which is the order the runs and tables follow)" if reordered else "")  # fmt: skip
         raise MeshHealError(
             f"output folder {out} holds a run of a different configuration ({names} differ); choose another --out"
-            f"{_no_work_yet(out)}; recorded {_settings_text(shown, 1)}, given {_settings_text(shown, 2)}"
+            f"{_no_work_yet(out)}; recorded {_settings_text(shown, 1)}, given {_settings_text(shown, 2)}{hint}"
         )
     inputs = input_digests(exp)
     changed = [
@@ -632,6 +635,13 @@ def _settings_text(changed: list[tuple], side: int) -> str:
     """One side (1 recorded, 2 given) of changed_values' triples as key=value, long values cut."""
     values = ((c[0], json.dumps(c[side])) for c in changed)
     return ", ".join(f"{key}={text if len(text) <= 60 else text[:57] + '...'}" for key, text in values)
+
+
+def _reordered(recorded: object, given: object) -> bool:
+    """Two different lists of the same values (--methods, --seed-list, --degraded given in another order)."""
+    if not (isinstance(recorded, list) and isinstance(given, list)) or recorded == given:
+        return False
+    return sorted(map(json.dumps, recorded)) == sorted(map(json.dumps, given))
 
 
 def _no_work_yet(out: Path) -> str:

@@ -217,6 +217,14 @@ def test_prepare_run_dir_refuses_another_experiment(tmp_path):
         match=r"\(protocol.alpha differ\).*recorded protocol.alpha=1.2, given protocol.alpha=1.5$",
     ):
         prepare_run_dir(other, out)
+    # the same seeds in another order would run the same streams, but the tables follow the order
+    seeds = tmp_path / "seeds"
+    prepare_run_dir(dataclasses.replace(other, protocol=ProtocolParams(), seeds=(0, 1)), seeds)
+    with pytest.raises(MeshHealError, match=r"given seeds=\[1, 0\] \(seeds: the same values in another order; "
+                                            r"give them in the recorded order"):  # fmt: skip
+        prepare_run_dir(dataclasses.replace(other, protocol=ProtocolParams(), seeds=(1, 0)), seeds)
+    with pytest.raises(MeshHealError, match=r"given seeds=\[0, 2\]$"):  # other values: no such hint
+        prepare_run_dir(dataclasses.replace(other, protocol=ProtocolParams(), seeds=(0, 2)), seeds)
 
 
 def test_a_folder_from_before_a_protocol_field_resumes_with_its_default(tmp_path):
