@@ -287,9 +287,14 @@ def inference_messages(
         f"and the pair must be one of the documented pairs. One example per task type:\n"
         + "\n".join(rows)
         + f"\n\n{_task_block(task)}\n\nReply with JSON only, exactly of the form "
-        f'{{"abilities": ["<ability>", "<ability>"]}}, using two names from the vocabulary.'
+        f"{json.dumps(INFERENCE_TEMPLATE)}, using two names from the vocabulary."
     )
     return _chat(user)
+
+
+# the inference prompt's closing reply form; a reply that writes it repeats the prompt (a weak model
+# without structured output), and the example answers before it are the prompt's, not the reply's
+INFERENCE_TEMPLATE = {"abilities": ["<ability>", "<ability>"]}
 
 
 def inference_schema(profile: Profile) -> dict:
@@ -322,6 +327,9 @@ def parse_inference(text: str, profile: Profile) -> InferredPair:
         raise ReplyParseError("inference reply has no JSON")
     problems = []
     for value in reversed(candidates):
+        if value == INFERENCE_TEMPLATE:  # an echo of the prompt: what came before it is the prompt's
+            problems.append("the prompt's reply form, repeated (an echo of the prompt)")
+            break
         names = value.get("abilities") if isinstance(value, dict) else value
         if not isinstance(names, list) or len(names) != 2 or not all(isinstance(n, str) for n in names):
             problems.append("not a list of two ability names")

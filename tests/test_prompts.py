@@ -158,6 +158,16 @@ def test_parse_inference_good_replies(bbh):
     assert prompts.parse_inference('["temporal", "linguistic"]', bbh) == expected
 
 
+def test_an_echoed_inference_prompt_names_no_pair(bbh):
+    """A reply that repeats the prompt holds every type's example answer and then the reply form:
+    it is no answer (before, the last example's pair was read), and a pair after the echo still is."""
+    prompt = prompts.inference_messages(bbh, "Is it Monday?", bbh.task_types[0])[-1]["content"]
+    with pytest.raises(ReplyParseError, match="an echo of the prompt"):
+        prompts.parse_inference(prompt, bbh)
+    after = prompts.parse_inference(prompt + '\n{"abilities": ["linguistic", "temporal"]}', bbh)
+    assert after == prompts.parse_inference('{"abilities": ["temporal", "linguistic"]}', bbh)
+
+
 @pytest.mark.parametrize(
     "reply",
     [
