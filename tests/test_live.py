@@ -10,6 +10,8 @@ import contextlib
 import dataclasses
 import gc
 import json
+import random
+import re
 import socket
 import threading
 import time
@@ -38,6 +40,7 @@ from meshheal_jax.backends.live import (
     ServerUnavailableError,
     SyncLiveClient,
     gc_paused,
+    normalise_base_url,
     request_seed,
     trace_rows,
 )
@@ -423,6 +426,34 @@ def test_round_robin_over_two_urls():
     run(scenario())
 
 
+def test_a_call_retries_on_the_role_s_other_server_when_one_is_down():
+    """Two strong URLs, one down: each call's retry goes on to the other, so a round of 200 calls
+    finishes (with one retry per call that started on the dead server). Before, every attempt took
+    the next turn of a counter all calls share: about half of each call's attempts went to the dead
+    server, and a round of hundreds had a call whose every attempt did (the run stopped)."""
+
+    async def scenario():
+        async with ScriptedServer() as alive, ScriptedServer() as dead:
+            retry = dataclasses.replace(FAST_RETRY, max_retries=2)
+            async with LiveClient([strong(dead, alive)], retry=retry) as client:
+                await dead.stop()  # after the client's start-up check
+                responses = await client.run_batch([gen_request(i) for i in range(200)])
+                assert client.stats.transport_retries == 100  # the calls that started on the dead one
+            assert len(responses) == 200 and len(alive.chats) == 200
+            async with LiveClient(
+                [strong(alive)], retry=dataclasses.replace(FAST_RETRY, max_retries=0)
+            ) as client:
+                await alive.stop()
+                with pytest.raises(ServerUnavailableError) as info:
+                    await client.run_batch([gen_request(0)])
+            # the SDK's "Connection error." with what it stands for (refused here; cut short, ...)
+            assert re.search(
+                r"last error: APIConnectionError: Connection error\. \(\w+: .+\)", str(info.value)
+            )
+
+    run(scenario())
+
+
 def test_roles_go_to_their_own_servers_with_served_names():
     async def scenario():
         async with ScriptedServer() as big, ScriptedServer(served=("weak",), root=WEAK_ROOT) as small:
@@ -779,6 +810,26 @@ def test_a_failed_grouped_write_is_raised_not_logged(tmp_path):
         asyncio.run(scenario(cache))
 
 
+def test_a_damaged_cache_is_named_when_read(tmp_path):
+    """A responses.sqlite damaged past its first pages opens, then fails at a read: one error naming
+    the file and what to do, not sqlite's traceback."""
+    path = tmp_path / "responses.sqlite"
+    with ResponseCache(path) as cache:
+        for i in range(400):
+            cache.put(f"key{i}", STRONG_ROOT, {"choices": [{"content": "x" * 200}], "n": i})
+    with path.open("r+b") as f:  # pages in the middle, past sqlite's header and schema
+        f.seek(4096 * 10)
+        f.write(random.Random(0).randbytes(4096 * 10))
+    with (
+        ResponseCache(path) as cache,
+        pytest.raises(
+            MeshHealError,
+            match=rf"response cache {re.escape(str(path))}: cannot read it \(.*\); move it aside",
+        ),
+    ):
+        [cache.get(f"key{i}") for i in range(400)]
+
+
 def test_cache_key_uses_real_model_id_and_sampling():
     messages = [{"role": "user", "content": "hi"}]
     params = {"n": 1, "seed": 4, "temperature": 1.0}
@@ -976,6 +1027,59 @@ def test_a_server_without_token_usage_is_warned_of_once(recwarn):
     assert said == [expected]
 
 
+def test_a_reply_that_trickles_in_is_cut_at_the_request_timeout():
+    """--request-timeout-s bounds a whole call, not each read: a server that sends its reply a few
+    bytes at a time (each read well within the limit) is given up on at the limit and retried."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET"):  # the client's start-up check: the served model, at once
+            body = json.dumps({"object": "list", "data": [{"id": "strong", "root": STRONG_ROOT}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))  # fmt: skip
+            await writer.drain()
+            return
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
+        await reader.readexactly(length)
+        body = b" " * 200  # JSON whitespace, never finished in time
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        with contextlib.suppress(ConnectionError):
+            for k in range(len(body)):
+                writer.write(body[k : k + 1])
+                await writer.drain()
+                await asyncio.sleep(0.05)  # 10 s in all
+
+    async def scenario() -> tuple[str, float]:
+        service = await asyncio.start_server(trickle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{service.sockets[0].getsockname()[1]}/v1"
+        retry = dataclasses.replace(FAST_RETRY, max_retries=1, request_timeout_s=0.5)
+        try:
+            async with LiveClient(
+                [ServerGroup("strong", (url,), model_id=STRONG_ROOT)], retry=retry
+            ) as client:
+                started = time.monotonic()
+                with pytest.raises(ServerUnavailableError) as info:
+                    await client.run_batch([gen_request(0)])
+                return str(info.value), time.monotonic() - started
+        finally:
+            service.close()
+
+    message, took = run(scenario())
+    assert (
+        "failed 2 attempts" in message
+        and "last error: no whole reply within 0.5 s (--request-timeout-s)" in message
+    )
+    assert took < 4.0  # two attempts of 0.5 s and a backoff, not the 10 s the reply would take
+
+
 def test_unreachable_server_is_named():
     url = f"http://127.0.0.1:{free_port()}/v1"
 
@@ -985,6 +1089,44 @@ def test_unreachable_server_is_named():
                 pass
 
     run(scenario())
+
+
+def test_a_port_where_another_service_answers_is_named():
+    """A TCP service that answers something other than HTTP (an SSH banner): the server check names
+    the URL and what came back, one error, instead of the transport's traceback."""
+
+    async def banner(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1000)
+        writer.write(b"SSH-2.0-OpenSSH_9\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def scenario():
+        service = await asyncio.start_server(banner, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{service.sockets[0].getsockname()[1]}/v1"
+        try:
+            with pytest.raises(
+                ServerUnavailableError, match=rf"strong server at {url} is unreachable or not an HTTP"
+            ):
+                async with LiveClient([ServerGroup("strong", (url,))], retry=FAST_RETRY):
+                    pass
+        finally:
+            service.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("http://[::1", "is not a valid URL"),
+        ("http://host:80x", "is not a valid URL"),
+        ("http://:8000", "names no host"),
+    ],
+)
+def test_a_malformed_base_url_is_refused_when_given(url, problem):
+    with pytest.raises(MeshHealError, match=re.escape(f"base URL {url!r} {problem}")):
+        normalise_base_url(url)
 
 
 def test_wrong_served_model_name():

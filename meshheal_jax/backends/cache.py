@@ -122,12 +122,27 @@ class ResponseCache:
         if pending is not None:
             self.hits += 1
             return json.loads(pending[2])
-        row = self._db.execute("SELECT payload FROM responses WHERE key = ?", (key,)).fetchone()
+        row = self._read("SELECT payload FROM responses WHERE key = ?", (key,))
         if row is None:
             self.misses += 1
             return None
         self.hits += 1
-        return json.loads(row[0])
+        try:
+            return json.loads(row[0])
+        except (TypeError, ValueError) as err:
+            raise self._damaged(f"a reply that is not JSON: {err}") from None
+
+    def _read(self, sql: str, args: tuple = ()) -> tuple | None:
+        try:
+            return self._db.execute(sql, args).fetchone()
+        except sqlite3.DatabaseError as err:  # a file damaged past its header (opening it worked)
+            raise self._damaged(str(err)) from None
+
+    def _damaged(self, what: str) -> MeshHealError:
+        return MeshHealError(
+            f"response cache {self.path}: cannot read it ({what}); move it aside to run on without its "
+            "replies (they are asked again), or restore it from a copy"
+        )
 
     def put(self, key: str, model_id: str, payload: Mapping[str, Any]) -> None:
         """Write one reply now, in its own commit."""
@@ -181,11 +196,11 @@ class ResponseCache:
 
     def __contains__(self, key: str) -> bool:
         self.flush()
-        return self._db.execute("SELECT 1 FROM responses WHERE key = ?", (key,)).fetchone() is not None
+        return self._read("SELECT 1 FROM responses WHERE key = ?", (key,)) is not None
 
     def __len__(self) -> int:
         self.flush()
-        return int(self._db.execute(_COUNT).fetchone()[0])
+        return int(self._read(_COUNT)[0])
 
     def close(self) -> None:
         try:

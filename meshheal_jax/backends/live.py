@@ -60,6 +60,7 @@ import random
 import sys
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
@@ -194,6 +195,13 @@ def normalise_base_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise MeshHealError(f"live backend: base URL {url!r} must start with http:// or https://")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0..65535
+    except ValueError as err:  # "http://[::1" (an unclosed bracket), "http://host:80x"
+        raise MeshHealError(f"live backend: base URL {url!r} is not a valid URL ({err})") from None
+    if not parts.hostname:
+        raise MeshHealError(f"live backend: base URL {url!r} names no host")
     return url if url.endswith("/v1") else url + "/v1"
 
 
@@ -328,6 +336,20 @@ def _http_library(client_or_class: Any):
         if issubclass(cls, module.AsyncClient):
             return module
     raise MeshHealError("live backend: cannot tell which HTTP library this openai SDK uses")
+
+
+def _transport_errors(client: Any) -> tuple[type[BaseException], ...]:
+    """What a request through `client` raises where no OpenAI-compatible server answers: refused,
+    DNS, timeouts (the library's TransportError, OSError); a URL it cannot use (InvalidURL); and,
+    through the SDK's aiohttp transport, aiohttp's own errors (a port where another service answers
+    something that is not HTTP: "Bad status line")."""
+    library = _http_library(client)
+    errors: tuple[type[BaseException], ...] = (library.TransportError, library.InvalidURL, OSError)
+    with contextlib.suppress(ImportError):
+        import aiohttp
+
+        errors += (aiohttp.ClientError,)
+    return errors
 
 
 def _http_client(openai_module, connections: int, retry: RetryPolicy):
@@ -598,11 +620,11 @@ class LiveClient:
                 headers={"Authorization": f"Bearer {self._api_key}"},
                 timeout=self.retry.connect_timeout_s,
             )
-        except (_http_library(server.http).TransportError, OSError) as err:  # refused, DNS, timeout
+        except _transport_errors(server.http) as err:
             raise ServerUnavailableError(
-                f"live backend: the {group.role} server at {url} is unreachable "
-                f"({type(err).__name__}: {err or 'no detail'}); start it (serving/vllm_pair.sh) or fix "
-                f"the {group.role} URL"
+                f"live backend: the {group.role} server at {url} is unreachable or not an HTTP server "
+                f"({type(err).__name__}: {_short(err) or 'no detail'}); start it (serving/vllm_pair.sh) or "
+                f"fix the {group.role} URL"
             ) from None
         if reply.status_code in (401, 403):
             raise MeshHealError(
@@ -840,11 +862,15 @@ class LiveClient:
                 f"live backend: the {role} server sent a reply without token usage; its tokens count "
                 "as 0 (tokens per task, the server-side prefix savings)"), stacklevel=2)  # fmt: skip
 
-    def _next_server(self, role: str) -> _Server:
+    def _rotation(self, role: str) -> list[_Server]:
+        """The role's servers in the order one call tries them: calls start on the servers in turn
+        (round robin), and a call's retries go on to the next server, so a call on a server that has
+        gone down reaches the others on its next attempt (a turn shared by all calls would send each
+        retry to the dead server as often as not)."""
         servers = self._servers[role]
-        server = servers[self._turn[role] % len(servers)]
+        first = self._turn[role] % len(servers)
         self._turn[role] += 1
-        return server
+        return servers[first:] + servers[:first]
 
     def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
         ceiling = min(self.retry.backoff_cap_s, self.retry.backoff_base_s * 2**attempt)
@@ -866,8 +892,9 @@ class LiveClient:
         body = chat_body(group.served_name, request.messages, params)
         last_error = ""
         tried: list[str] = []
+        rotation = self._rotation(request.role)
         for attempt in range(self.retry.max_retries + 1):
-            server = self._next_server(request.role)
+            server = rotation[attempt % len(rotation)]
             retry_after = None
             async with server.semaphore:
                 server.stats.in_flight += 1
@@ -877,10 +904,17 @@ class LiveClient:
                 self.stats.http_requests += 1
                 started = time.monotonic()
                 try:
-                    reply = await server.lanes[lane][0].post(
-                        "/chat/completions", cast_to=object, body=body, options=self._post_options
-                    )
+                    # the HTTP client's timeout bounds each read; this bounds the whole call (a reply
+                    # that trickles in would otherwise take as long as it keeps trickling)
+                    async with asyncio.timeout(self.retry.request_timeout_s):
+                        reply = await server.lanes[lane][0].post(
+                            "/chat/completions", cast_to=object, body=body, options=self._post_options
+                        )
                     payload = _payload(reply, time.monotonic() - started)
+                except TimeoutError:
+                    last_error = (
+                        f"no whole reply within {self.retry.request_timeout_s:g} s (--request-timeout-s)"
+                    )
                 # a 200 body labelled JSON that is not JSON (or not UTF-8), or is past json's limits
                 # (~1,000 levels deep, 4,300-digit integers); a message this side cannot encode is
                 # raised as it is: no server ever saw it
@@ -905,6 +939,11 @@ class LiveClient:
                     )
                 except openai.APIConnectionError as err:
                     last_error = f"{type(err).__name__}: {_short(err)}"
+                    cause = (
+                        err.__cause__
+                    )  # what the SDK's "Connection error." stands for: refused, cut short...
+                    if cause is not None and str(cause):
+                        last_error += f" ({type(cause).__name__}: {_short(cause)})"
                 else:
                     if payload is not None:
                         self._note_usage(request.role, payload)
