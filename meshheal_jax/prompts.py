@@ -253,6 +253,11 @@ def execution_messages(
 # Ability inference
 
 
+# the inference prompt's closing reply form; a reply that writes it repeats the prompt (a weak model
+# without structured output), and the example answers before it are the prompt's, not the reply's
+INFERENCE_TEMPLATE = {"abilities": ["<ability>", "<ability>"]}
+
+
 def inference_messages(
     profile: Profile,
     question: str,
@@ -290,11 +295,6 @@ def inference_messages(
         f"{json.dumps(INFERENCE_TEMPLATE)}, using two names from the vocabulary."
     )
     return _chat(user)
-
-
-# the inference prompt's closing reply form; a reply that writes it repeats the prompt (a weak model
-# without structured output), and the example answers before it are the prompt's, not the reply's
-INFERENCE_TEMPLATE = {"abilities": ["<ability>", "<ability>"]}
 
 
 def inference_schema(profile: Profile) -> dict:

@@ -939,9 +939,8 @@ class LiveClient:
                     )
                 except openai.APIConnectionError as err:
                     last_error = f"{type(err).__name__}: {_short(err)}"
-                    cause = (
-                        err.__cause__
-                    )  # what the SDK's "Connection error." stands for: refused, cut short...
+                    # what the SDK's "Connection error." stands for: refused, cut short mid-reply...
+                    cause = err.__cause__
                     if cause is not None and str(cause):
                         last_error += f" ({type(cause).__name__}: {_short(cause)})"
                 else:
