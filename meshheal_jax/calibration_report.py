@@ -256,6 +256,7 @@ def body(cfg: ReportConfig) -> None:
     failed = [r["target"] for r in rows if r["priority"] == "primary" and not r["pass"]]
     print(f"primary targets: {sum(r['pass'] for r in rows if r['priority'] == 'primary')}/"
           f"{sum(r['priority'] == 'primary' for r in rows)} within tolerance")  # fmt: skip
+    print(f"results: {results.run_dir}")
     if failed:
         sys.exit(1)
 

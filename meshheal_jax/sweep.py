@@ -19,6 +19,10 @@ reason: the windows (window_scores, window_shortfalls size arrays; one compiled 
 shape), a name the configured detector or the engine never reads, and grids with an invalid
 combination (e.g. alpha > beta). Unswept values come from `--protocol.*`.
 
+Flags every experiment shares that a sweep refuses (it runs once, on the emulator, and does not
+resume): `--backend live` and the live settings, `--data`, `--tokenizer`, `--hub-*`,
+`--checkpoint-every`, `--engine reference`.
+
 Output: a run folder (config.json; tasks/reviews/states parquet with `grid_point` and one column
 per swept parameter; summary.json with one entry per grid point and dataset), a printed table
 per dataset with one row per grid point, `tradeoff.png` (detection delay vs false isolations; with
