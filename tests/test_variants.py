@@ -178,8 +178,8 @@ def test_no_takeover_never_emits_candidates_or_synthesis(run):
 T, S, AUTHOR = 0, 2, 0
 
 
-def jax_detector(detector: str):
-    protocol = ProtocolParams(detector=detector)
+def jax_detector(detector: str, **fields):
+    protocol = ProtocolParams(detector=detector, **fields)
     spec = main_spec("bbh", 0, 42)
     cfg = engine.engine_config([spec], protocol, 1)
     params = engine.make_params(protocol, spec.pair, spec.network.profile, 6)
@@ -193,10 +193,10 @@ def jitted_observe(detector: str):
     return jax.jit(functools.partial(engine.observe, detector=detector))
 
 
-def observe_both(detector: str, scores: list[float], t0: int):
-    """Feed the same scores to both engines' detectors (author 0, one key); yield per step
-    (jax observation, jax net, reference outcome, reference network)."""
-    cfg, params, world, net, ref, protocol = jax_detector(detector)
+def observe_both(detector: str, scores: list[float], t0: int, **fields):
+    """Feed the same scores to both engines' detectors (author 0, one key; `fields`: other protocol
+    parameters); yield per step (jax observation, jax net, reference outcome, reference network)."""
+    cfg, params, world, net, ref, protocol = jax_detector(detector, **fields)
     warmup = protocol.warmup_tasks(6)
     for k, q in enumerate(scores):
         net, obs = jitted_observe(cfg.detector)(params, world, net, AUTHOR, T, S, jnp.float64(q),
@@ -229,6 +229,19 @@ def test_jax_absolute_isolates_at_its_threshold_exactly():
     for obs, _, out, _ in steps:
         check_same(obs, out)
     assert engine.STATE_NAMES[int(steps[-1][0].after)] == "watched"
+
+
+@pytest.mark.parametrize("scale, floor", [(0.20, 0.10), (0.10, 0.30)])
+def test_absolute_z_divides_by_absolute_scale_not_the_relative_floor(scale, floor):
+    """decisions V4: z_abs = (absolute_threshold - window mean) / absolute_scale. Its default, 0.10,
+    equals the relative detector's z_scale_floor; set apart, z_abs follows absolute_scale alone (a
+    mutation reading z_scale_floor passed every test while both were 0.10)."""
+    steps = list(observe_both("absolute", [0.5, 0.5, 0.5], 40, absolute_scale=scale, z_scale_floor=floor))
+    for obs, _, out, _ in steps:
+        check_same(obs, out)
+    obs = steps[-1][0]
+    assert float(obs.z) == pytest.approx((0.70 - 0.5) / scale)
+    assert engine.STATE_NAMES[int(obs.after)] == ("normal" if scale == 0.20 else "watched")  # alpha 1.2
 
 
 # hand computation: S_k = max(0, S_{k-1} + (0.85 - q_k) - 0.05)
