@@ -862,15 +862,14 @@ class LiveClient:
                 f"live backend: the {role} server sent a reply without token usage; its tokens count "
                 "as 0 (tokens per task, the server-side prefix savings)"), stacklevel=2)  # fmt: skip
 
-    def _rotation(self, role: str) -> list[_Server]:
-        """The role's servers in the order one call tries them: calls start on the servers in turn
-        (round robin), and a call's retries go on to the next server, so a call on a server that has
-        gone down reaches the others on its next attempt (a turn shared by all calls would send each
-        retry to the dead server as often as not)."""
-        servers = self._servers[role]
-        first = self._turn[role] % len(servers)
+    def _first_server(self, role: str) -> int:
+        """The index of the server a call starts on: calls take the role's servers in turn (round
+        robin), and a call's retries go on to the next ones (attempt k: first + k), so a call on a
+        server that has gone down reaches the others on its next attempt (a turn shared by all calls
+        would send each retry to the dead server as often as not)."""
+        first = self._turn[role]
         self._turn[role] += 1
-        return servers[first:] + servers[:first]
+        return first
 
     def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
         ceiling = min(self.retry.backoff_cap_s, self.retry.backoff_base_s * 2**attempt)
@@ -892,9 +891,9 @@ class LiveClient:
         body = chat_body(group.served_name, request.messages, params)
         last_error = ""
         tried: list[str] = []
-        rotation = self._rotation(request.role)
+        servers, first = self._servers[request.role], self._first_server(request.role)
         for attempt in range(self.retry.max_retries + 1):
-            server = rotation[attempt % len(rotation)]
+            server = servers[(first + attempt) % len(servers)]
             retry_after = None
             async with server.semaphore:
                 server.stats.in_flight += 1
