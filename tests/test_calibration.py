@@ -38,9 +38,8 @@ def report(tmp_path_factory):
         check=False, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     data = json.loads((out / "report.json").read_text())
-    assert proc.stdout.rstrip().endswith(
-        f"results: {out / 'run'}"
-    )  # the folder named, as every experiment does
+    # the run folder named last, as every experiment does
+    assert proc.stdout.rstrip().endswith(f"results: {out / 'run'}")
     return proc, data["targets"], data["degraded_gap"]
 
 
