@@ -462,6 +462,34 @@ def test_a_math_hedge_is_unparsable_whichever_value_is_gold(math_verify):
     )
 
 
+@pytest.mark.parametrize("text", ["RESULT: 12 (or 10)", "RESULT: $12$ (or $10$)", "RESULT: 12 (Or possibly 10)",
+                                  "RESULT: x = 12 (or x = 10)", "RESULT: 12 (or 12.0) (or 10)"])  # fmt: skip
+def test_a_math_answer_offering_another_value_in_brackets_is_a_hedge(math_verify, text):
+    """decisions L8: "12 (or 10)" names no one answer, whichever value is gold; math-verify alone
+    read it as 10 (its "or" a comma, its last value kept)."""
+    for gold in ("10", "12"):
+        verdict = judge("math", text, gold)
+        assert (verdict.correct, verdict.status) == (False, UNPARSABLE)
+    assert not scoring.same_answer("math", text.removeprefix("RESULT: "), "10")
+
+
+@pytest.mark.parametrize(
+    "text, right, wrong",
+    [
+        ("RESULT: 0.5 (or \\frac{1}{2})", "\\frac12", "0.4"),  # an alternative of the same value
+        ("RESULT: 12 (i.e. 10)", "12", "10"),  # a restatement: the answer is what comes before it
+        ("RESULT: 12 (e.g. 10)", "12", "10"),
+        ("RESULT: \\frac{1}{3} (approximately 0.333)", "\\frac13", "0.333"),
+        ("RESULT: 12 (which is 10)", "12", "10"),
+        ("RESULT: 2 (3+4)", "14", "2"),  # brackets that are mathematics stay so
+        ("RESULT: (2, 3)", "(2,3)", "3"),
+    ],
+)
+def test_a_remark_in_brackets_after_a_math_answer_is_not_the_answer(math_verify, text, right, wrong):
+    assert judge("math", text, right).correct
+    assert not judge("math", text, wrong).correct
+
+
 # ----------------------------------------------------------------------------------------------
 # _strip_wrappers removes a run of nested pairs at once: the same result as one pair per pass
 
