@@ -171,3 +171,19 @@ def test_profile_client_ab_telemetry_prints_both_arms():
     for line in arms:
         values = line.split(": ", 1)[1].split(" (median")[0].split(" / ")
         assert len(values) == 2 and all(float(v) > 0 for v in values), line
+
+
+def test_live_timeline_cuts_a_batch_into_its_waves():
+    """benchmarks/live_timeline.py: every call of a batch timed, in waves of the in-flight count,
+    each call inside `post` at least the stand-in's latency."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import live_timeline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    (run,) = live_timeline.main(["--in-flight", "8", "--latency", "0.05", "--waves", "3", "--batches", "1"])
+    assert [w["wave"] for w in run["waves"]] == [0, 1, 2]
+    assert run["post_s"][0] >= 0.05
+    for before, after in zip(run["waves"], run["waves"][1:]):
+        assert after["first_start"] >= before["first_end"] - 1e-3  # a slot's next call waits for its reply
+    assert run["wall_s"] >= 3 * 0.05

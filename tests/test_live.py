@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import random
 import re
@@ -314,6 +315,64 @@ def test_round_sent_concurrently_and_capped_by_semaphore():
             assert server.max_in_flight == 24  # all 24 at the server at once (no clock: a loaded machine)
 
     run(scenario())
+
+
+def test_a_round_s_first_call_is_written_before_the_others_are_built(monkeypatch):
+    """On Python 3.11 aiohttp writes a request's body in a task of its own: with a round's calls
+    all made at once, every call was built before the first was written (each waited for the
+    whole round's building). run_batch gives each call a turn before making the next: a call's
+    socket write comes before the next call's `post` starts (the order of events, no clock)."""
+    events: list[str] = []
+    write = asyncio.selector_events._SelectorSocketTransport.write
+
+    def noted_write(transport, data):
+        events.append("write")
+        return write(transport, data)
+
+    monkeypatch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", noted_write)
+
+    async def scenario():
+        # the server's own replies are written later (0.5 s), after every call of the round started
+        async with (
+            ScriptedServer(delay_s=0.5) as server,
+            LiveClient([strong(server, max_in_flight=64)], retry=FAST_RETRY) as client,
+        ):
+            await client.run_batch([gen_request(i) for i in range(8)])  # opens the round's connections
+            for sdk, _ in client._servers["strong"][0].lanes:
+                post = sdk.post
+
+                async def noted_post(*args, _post=post, **kwargs):
+                    events.append("post")
+                    return await _post(*args, **kwargs)
+
+                sdk.post = noted_post
+            events.clear()
+            await client.run_batch([gen_request(i) for i in range(4, 12)])
+        return events
+
+    order = run(scenario())
+    posts = [i for i, e in enumerate(order) if e == "post"]
+    assert len(posts) == 8
+    for first, second in itertools.pairwise(posts):
+        assert "write" in order[first:second]  # each call written before the next one starts
+
+
+def test_a_round_stopped_while_its_calls_are_made_leaves_none_running():
+    async def scenario():
+        async with (
+            ScriptedServer(delay_s=5.0) as server,
+            LiveClient([strong(server)], retry=FAST_RETRY) as client,
+        ):
+            before = asyncio.all_tasks()
+            batch = asyncio.ensure_future(client.run_batch([gen_request(i) for i in range(50)]))
+            for _ in range(3):  # stopped after a few of its 50 calls were made
+                await asyncio.sleep(0)
+            batch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await batch
+            return [task for task in asyncio.all_tasks() - before if not task.done()]
+
+    assert run(scenario()) == []
 
 
 def test_a_huge_max_in_flight_opens_at_most_max_lanes_clients():
