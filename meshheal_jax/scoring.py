@@ -324,11 +324,28 @@ def _timeout() -> int | None:
     return MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+# a parenthetical remark closing a MATH answer: an alternative ("12 (or 10)") or a restatement
+# ("\\frac12 (i.e. 0.5)", "\\frac13 (approximately 0.333)"); math-verify reads such text as the
+# remark's last value (or as a product of the remark's letters)
+_REMARK = re.compile(
+    r"(?is)^(?P<answer>.*?\S)\s*\(\s*(?P<word>or|i\.\s*e\.?|e\.\s*g\.?|that is|which is|approx(?:imately|\.)?|about"
+    r"|roughly|≈)(?![a-z])[\s,:]*(?P<remark>[^()]*?)\s*\)$"
+)
+
+
 def _parse_math(expression: str) -> list:
     """math-verify's parse of one answer expression (given without \\boxed), [] if unparsable. An
     expression with one inline math span among words ("$5$ dollars") is read by that span first:
     wrapped in \\boxed, the words would become symbols. Several spans ("$1$ or $2$", which reaches
-    here as "1$ or $2") are not read so: taking one would credit a hedge."""
+    here as "1$ or $2") are not read so: taking one would credit a hedge. A remark in brackets
+    closing the expression is not read (decisions L8): the expression is what comes before it, and
+    an alternative naming another value ("12 (or 10)", a hedge like "\\boxed{12} or \\boxed{10}")
+    is unparsable; one naming the same value ("0.5 (or \\frac12)") is not."""
+    remark = _REMARK.match(expression.strip())
+    if remark is not None:
+        before, after = _strip_wrappers(remark["answer"]), _strip_wrappers(remark["remark"])
+        hedge = remark["word"].casefold() == "or" and not same_answer("math", before, after)
+        return [] if hedge else _parse_math(before)
     mv = _math_verify()
     config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
     expression = _latex_fixes(expression)
@@ -399,29 +416,6 @@ def _option_letters(answer: str) -> frozenset[str] | None:
     return frozenset(re.findall(r"[A-Z]", plain))
 
 
-# a parenthetical remark closing a MATH answer: an alternative ("12 (or 10)") or a restatement
-# ("\\frac12 (i.e. 0.5)", "\\frac13 (approximately 0.333)"); math-verify reads such text as the
-# remark's last value (or as a product of the remark's letters)
-_REMARK = re.compile(
-    r"(?is)^(?P<answer>.*?\S)\s*\(\s*(?P<word>or|i\.\s*e\.?|e\.\s*g\.?|that is|which is|approx(?:imately|\.)?|about"
-    r"|roughly|≈)(?![a-z])[\s,:]*(?P<remark>[^()]*?)\s*\)$"
-)
-
-
-def _without_remark(answer: str) -> str | None:
-    """A MATH answer without a parenthetical remark after it (decisions L8): the answer is what
-    comes before it. An alternative ("12 (or 10)") that names another value is a hedge, like
-    "\\boxed{12} or \\boxed{10}": None (unparsable); one naming the same value ("0.5 (or
-    \\frac12)") is not."""
-    remark = _REMARK.match(answer.strip())
-    if remark is None:
-        return answer
-    main = _strip_wrappers(remark["answer"])
-    if remark["word"].casefold() == "or" and not same_answer("math", main, _strip_wrappers(remark["remark"])):
-        return None
-    return _without_remark(main)
-
-
 def _judge_math_unguarded(text: str | None, gold: str) -> Judgement:
     mv = _math_verify()
     answer = extract_answer("math", text)
@@ -435,10 +429,7 @@ def _judge_math_unguarded(text: str | None, gold: str) -> Judgement:
         if not all(same_answer("math", v, values[-1]) for v in values[:-1]):
             return Judgement(False, UNPARSABLE, answer)
         answer = values[-1]  # "\boxed{x+11} or \boxed{11+x}"
-    main = _without_remark(answer)
-    if main is None:  # "12 (or 10)"
-        return Judgement(False, UNPARSABLE, answer)
-    predicted = _parse_math(main)
+    predicted = _parse_math(answer)
     gold_parsed = list(_parse_gold(_strip_wrappers(gold)))
     if not any(_is_expression(x) for x in gold_parsed):
         # a gold math-verify cannot read as mathematics: fall back to its exact text
@@ -486,9 +477,6 @@ def same_answer(dataset: str, a: str | None, b: str | None) -> bool:
     if dataset != "math":
         u, v = _as_number(x), _as_number(y)
         return u is not None and v is not None and u == v
-    a, b = _without_remark(a), _without_remark(b)
-    if a is None or b is None:  # a hedge ("12 (or 10)") names no one answer
-        return False
     first, second = _parse_math(a), _parse_math(b)
     if not (any(_is_expression(e) for e in first) and any(_is_expression(e) for e in second)):
         return False
