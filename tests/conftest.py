@@ -80,6 +80,12 @@ def bbh_profile() -> topology.Profile:
     return topology.load_profile("bbh")
 
 
+@pytest.fixture(scope="session")
+def math_verify():
+    """The math-verify package, or the test skipped where it is not installed (MATH scoring)."""
+    return pytest.importorskip("math_verify")
+
+
 @pytest.fixture
 def terminal_sigint():
     """Python's own SIGINT handler in this process for the test's duration, as in a terminal: a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import polars as pl
 import pytest
+from test_stated_rules import cells  # a markdown table's header -> cell of one data row
 
 from meshheal_jax import metrics, report
 from meshheal_jax.streams import HealthSchedule
@@ -28,13 +29,6 @@ def review(degraded: bool, q0: float, q: float, probe: bool = False) -> dict:
     return {**LABELS, "seed": 0, "t": 1, "visit": 0, "action": "contribute", "author": 2 if degraded else 0,
             "ability": 0, "author_degraded": degraded, "probe": probe, "q0": q0, "q": q,
             "committee": q0 <= 0.40, "takeover": False, "correct_before": True, "correct_after": True}  # fmt: skip
-
-
-def cells(table: str, row: int = 0) -> dict[str, str]:
-    """A markdown table's header -> cell of data row `row`."""
-    lines = table.splitlines()
-    split = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in (lines[0], lines[2 + row])]
-    return dict(zip(*split))
 
 
 # agent 2 degraded for tasks 20..59, recovered at 60, stream of 100 tasks

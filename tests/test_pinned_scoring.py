@@ -17,12 +17,6 @@ from meshheal_jax.prompts import ReplyParseError
 from meshheal_jax.scoring import OK, UNPARSABLE, extract_answer, judge
 from meshheal_jax.topology import load_profile
 
-
-@pytest.fixture(scope="module")
-def math_verify():
-    return pytest.importorskip("math_verify")
-
-
 # ----------------------------------------------------------------------------------------------
 # Extraction: which answer a reply gives
 

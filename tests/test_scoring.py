@@ -21,11 +21,6 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data is absent")
 
 
-@pytest.fixture(scope="module")
-def math_verify():
-    return pytest.importorskip("math_verify")
-
-
 # ----------------------------------------------------------------------------------------------
 # Extraction
 
