@@ -82,6 +82,8 @@ def make_stream(
 
     phase_starts: 1-based first task of every phase (the first must be 1).
     """
+    if n_types <= 0:
+        raise MeshHealError(f"a stream needs at least one task type, got {n_types}")
     block = BLOCK_PER_TYPE * n_types
     if n_tasks <= 0 or n_tasks % block:
         raise MeshHealError(f"stream length must be a positive multiple of {block}, got {n_tasks}")
@@ -155,7 +157,9 @@ RECOVERY_PHASES = ("healthy", "A5 degraded", "A3+A5 degraded", "A3 degraded, A5 
 
 def recovery_schedule(n_tasks: int = 630, a3: int = 2, a5: int = 4) -> HealthSchedule:
     """Five phases of n/5: A5 degraded in phases 2-3, A3 in phases 3-4 (spec/experiments.md §2)."""
-    if n_tasks % 5:
-        raise MeshHealError(f"recovery stream length must split into 5 phases, got {n_tasks}")
+    if n_tasks <= 0 or n_tasks % 5:
+        raise MeshHealError(
+            f"recovery stream length must be a positive multiple of 5 (5 phases), got {n_tasks}"
+        )
     p = n_tasks // 5
     return HealthSchedule(6, n_tasks, ((a5, p + 1, 3 * p + 1), (a3, 2 * p + 1, 4 * p + 1)))

@@ -668,7 +668,7 @@ def run(cfg: SweepConfig, progress: bool = True, argv: Sequence[str] | None = No
     run_dir = prepare_out(cfg.out)
     config = {runner.RUN_MARKER: True, "experiment": exp.to_json(),
               "sweep": {"grid": {k: list(v) for k, v in grid.items()}, "n_points": len(points),
-                        "streams": len(batch.specs), "chunk": cfg.chunk,
+                        "streams": len(batch.specs), "chunk": cfg.chunk, "calls": cfg.calls,
                         "order": "grid point slowest (first parameter slowest), then dataset, then seed"},
               "versions": runner._versions(), "git_revision": runner._git_revision(),
               "created": datetime.datetime.now().isoformat()}  # fmt: skip
@@ -746,12 +746,16 @@ def reproduce_commands(config: dict, run_dir: Path) -> list[str]:
             elif not arg.startswith("--out="):
                 command.append(arg)
     else:
-        exp, grid = config.get("experiment", {}), config.get("sweep", {}).get("grid", {})
+        exp, sweep = config.get("experiment", {}), config.get("sweep", {})
         command = ["python", "-m", "meshheal_jax.sweep", "--grid",
-                   *(f"{k}={','.join(map(_show, v))}" for k, v in grid.items()),
+                   *(f"{k}={','.join(map(_show, v))}" for k, v in sweep.get("grid", {}).items()),
                    *report._common_flags(exp, (exp.get("pairs") or ["default"])[0]),
                    "--datasets", *exp.get("datasets", []), "--tasks", str(exp.get("n_tasks", 504)),
                    "--degraded", *map(str, exp.get("degraded", []))]  # fmt: skip
+        if sweep.get("chunk", SweepConfig.chunk) != SweepConfig.chunk:
+            command += ["--chunk", str(sweep["chunk"])]
+        if sweep.get("calls"):  # older folders did not record it: a rerun then keeps no calls.parquet
+            command.append("--calls")
     return [shlex.join(command), shlex.join(["python", "-m", "meshheal_jax.report", str(run_dir)])]
 
 

@@ -307,7 +307,9 @@ def validate_graph(adjacency: np.ndarray) -> None:
 def build_network(profile: Profile, n_agents: int = 6, adjacency: np.ndarray | None = None,
                   edges: np.ndarray | None = None) -> Network:  # fmt: skip
     """Replicate the profile to n_agents over a graph given as edges, a dense adjacency, or
-    neither (complete graph)."""
+    neither (complete graph); not both."""
+    if adjacency is not None and edges is not None:
+        raise MeshHealError("build_network: give the graph as edges or as an adjacency matrix, not both")
     holds = replicate_holds(profile, n_agents)
     if adjacency is not None:
         adjacency = np.asarray(adjacency, dtype=bool)

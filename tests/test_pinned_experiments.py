@@ -90,6 +90,19 @@ def test_the_rebuilt_reproduce_command_gives_the_same_grid(tmp_path):
     assert (again.tasks, again.seed_tuple(), again.datasets) == (84, (0, 1), ("bbh",))
 
 
+def test_the_rebuilt_reproduce_command_keeps_chunk_and_calls(tmp_path):
+    """The rebuilt command carries a non-default --chunk and --calls (config.json's "sweep"
+    records both), so the rerun keeps the same tables and compiled-call size."""
+    exp = runner.Experiment(name="sweep", datasets=("bbh",), pairs=("default",), seeds=(0,), n_tasks=84)
+    config = {"experiment": exp.to_json(), "sweep": {"grid": {"alpha": [1.0]}, "chunk": 64, "calls": True}}
+    command, _ = sweep.reproduce_commands(config, tmp_path)
+    again = tyro.cli(sweep.SweepConfig, args=shlex.split(command)[3:])
+    assert (again.chunk, again.calls) == (64, True)
+    default = {"experiment": exp.to_json(), "sweep": {"grid": {"alpha": [1.0]}, "chunk": 512, "calls": False}}
+    command, _ = sweep.reproduce_commands(default, tmp_path)
+    assert "--chunk" not in command and "--calls" not in command
+
+
 def test_record_tables_are_labelled_with_their_stream_s_grid_point():
     """label_frames: every stream's rows carry its own grid point's index (summarize selects a
     point's rows by it) and swept values; an integer parameter stays an integer column."""

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from meshheal_jax import graphs, topology
 from meshheal_jax.errors import MeshHealError
-from meshheal_jax.streams import DIFFICULTY_BINS, HealthSchedule, difficulty_bins, make_stream
+from meshheal_jax.streams import (
+    DIFFICULTY_BINS,
+    HealthSchedule,
+    difficulty_bins,
+    make_stream,
+    recovery_schedule,
+)
 
 
 def sparse(dataset: str, n_agents: int, seed: int = 0, mean_degree: float = graphs.MEAN_DEGREE) -> np.ndarray:
@@ -178,3 +184,16 @@ def test_ever_degraded_marks_every_scheduled_agent():
     schedule = HealthSchedule(6, 42, ((1, 5, 6), (3, 1, 43)))  # one task, and the whole stream
     assert schedule.ever_degraded().tolist() == [False, True, False, True, False, False]
     assert not HealthSchedule(6, 42, ()).ever_degraded().any()
+
+
+def test_bad_stream_and_graph_arguments_are_named():
+    """Arguments the CLI cannot produce but a script can: no task types, an empty recovery stream,
+    and a graph given both ways get a message naming the problem (not ZeroDivisionError, not a
+    message about a schedule interval, not one of the two graphs silently dropped)."""
+    with pytest.raises(MeshHealError, match="at least one task type, got 0"):
+        make_stream(0, 0, 42, 0, (1,), ("all",))
+    with pytest.raises(MeshHealError, match="positive multiple of 5"):
+        recovery_schedule(0)
+    profile = topology.load_profile("bbh")
+    with pytest.raises(MeshHealError, match="not both"):
+        topology.build_network(profile, 6, adjacency=np.ones((6, 6), dtype=bool), edges=np.array([[0, 1]]))
