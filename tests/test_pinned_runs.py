@@ -1,6 +1,7 @@
 """Run folders that keep finished work and refuse bad input (meshheal_jax/runner.py,
 meshheal_jax/checkpoints.py; docs/decisions.md X1): the lock, what a resume counts and says, which
-folders are new or refused, and checkpoints whose layout does not fit."""
+folders are new or refused, checkpoints whose layout does not fit, and a stop that lands right after
+a part was written."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from meshheal_jax import runner
+from meshheal_jax import metrics, runner
 from meshheal_jax.checkpoints import Checkpoints, CheckpointWarning
 from meshheal_jax.errors import MeshHealError
 
@@ -124,3 +125,30 @@ def test_a_checkpoint_whose_arrays_differ_from_its_commit_is_dropped(tmp_path):
     with pytest.warns(CheckpointWarning, match="arrays do not match its layout"):
         assert saves.restore(0, carry, ("tasks", "calls")) is None
     assert not (tmp_path / "s0").exists()
+
+
+def test_a_stop_right_after_a_part_is_written_stops_without_writing_it_twice(tmp_path, monkeypatch):
+    """A Ctrl-C that lands after a stream's part was renamed into place but before the batch runner
+    marked it kept: the stop's drain keeps that stream again, which must find the part there and not
+    write it a second time (a rename onto it fails), so the run stops with KeyboardInterrupt and the
+    part stays whole (decisions X1: finished work is never lost). The baseline batch is a stand-in
+    returning empty tables, so nothing compiles."""
+    exp = dataclasses.replace(EXP, methods=("agentnet",), engine="jax", seeds=(0,))
+    empty = {name: pl.DataFrame(schema=metrics.SCHEMAS[name]) for name in runner.TABLES}
+    monkeypatch.setattr(
+        runner, "run_baseline_streams", lambda exp, method, batch, run_dir: [empty] * len(batch)
+    )
+    writes, real_write = [], runner._write_part
+
+    def write_then_stop(part, frames):
+        writes.append(part)
+        real_write(part, frames)
+        if len(writes) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_write_part", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(exp, tmp_path / "run", progress=False)
+    part = runner._part_dir(tmp_path / "run", "agentnet", "math", "default", 0)
+    assert writes == [part]
+    assert runner._part_readable(part, exp.tables)
