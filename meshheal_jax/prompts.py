@@ -34,7 +34,7 @@ from meshheal_jax import params
 from meshheal_jax.data import DATASETS, MMLU_PRO_LETTERS
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.scoring import extract_answer
-from meshheal_jax.topology import Profile
+from meshheal_jax.topology import Profile, ability_key
 
 Message = dict[str, str]
 
@@ -270,10 +270,7 @@ def inference_messages(
     examples: optional task type -> an example question of that type (one per task type);
     without it each task type is listed with its pair alone.
     """
-    if task_type not in profile.task_types:
-        raise MeshHealError(
-            f"prompts: {profile.dataset} has no task type {task_type!r}; known: {list(profile.task_types)}"
-        )
+    _check_task_type(profile, task_type)
     vocabulary = "\n".join(f"- {name}: {desc}" for name, desc in zip(profile.abilities, profile.descriptions))
     rows = []
     for tt, pair in zip(profile.task_types, profile.requires):
@@ -334,8 +331,8 @@ def parse_inference(text: str, profile: Profile) -> InferredPair:
         if not isinstance(names, list) or len(names) != 2 or not all(isinstance(n, str) for n in names):
             problems.append("not a list of two ability names")
             continue
-        lookup = {name.casefold(): i for i, name in enumerate(profile.abilities)}
-        ids = [lookup.get(re.sub(r"[\s\-]+", "_", n.strip()).casefold()) for n in names]
+        lookup = {ability_key(name): i for i, name in enumerate(profile.abilities)}
+        ids = [lookup.get(ability_key(n)) for n in names]
         if None in ids:
             problems.append(f"unknown ability in {names}")
             continue
@@ -347,8 +344,16 @@ def parse_inference(text: str, profile: Profile) -> InferredPair:
     raise ReplyParseError("inference reply: " + "; ".join(problems))
 
 
+def _check_task_type(profile: Profile, task_type: str) -> None:
+    if task_type not in profile.task_types:
+        raise MeshHealError(
+            f"prompts: {profile.dataset} has no task type {task_type!r}; known: {list(profile.task_types)}"
+        )
+
+
 def documented_pair(profile: Profile, task_type: str) -> InferredPair:
     """The documented pair of a task type (the fallback after a failed inference)."""
+    _check_task_type(profile, task_type)
     index = profile.task_types.index(task_type)
     return InferredPair(tuple(sorted(profile.requires[index])), profile.pair_index(index))  # type: ignore[arg-type]
 

@@ -119,6 +119,12 @@ def _row_texts(rows: list, table: str, key: str, source: str, required: bool = T
     return out
 
 
+def ability_key(name: str) -> str:
+    """How a model's reply is matched to an ability name: case, and runs of spaces, hyphens and
+    underscores, do not matter ("Multi-step deduction" names multi_step_deduction)."""
+    return re.sub(r"[\s\-_]+", "_", name.strip()).casefold()
+
+
 def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
     """Build and validate a Profile from a parsed TOML document."""
     unknown_keys(doc, PROFILE_KEYS, source)
@@ -140,6 +146,11 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
         repeated = sorted({n for n in given if given.count(n) > 1})
         if repeated:
             raise MeshHealError(f"{source}: {kind} names must be unique: {repeated} repeated")
+    keys = [ability_key(n) for n in names]
+    alike = sorted(n for n, key in zip(names, keys) if keys.count(key) > 1)
+    if alike:
+        raise MeshHealError(f"{source}: ability names {alike} differ only in case, spaces, hyphens or "
+                            "underscores; a model's reply naming one could not be told from the other")  # fmt: skip
     holds = np.zeros((BASE_AGENTS, len(names)), dtype=bool)
     for s, row in enumerate(ability_rows):
         where = f"ability {names[s]!r}"

@@ -284,6 +284,18 @@ def test_duplicate_ability_names(bbh_doc):
     reject(bbh_doc, "ability names must be unique", "['mathematical'] repeated")
 
 
+def test_ability_names_a_reply_could_not_tell_apart(bbh_doc):
+    # a model's reply is matched to an ability ignoring case, spaces, hyphens and underscores
+    # (topology.ability_key, prompts.parse_inference)
+    bbh_doc["ability"][0]["name"] = "spatial_reasoning"
+    bbh_doc["ability"][1]["name"] = "Spatial - Reasoning"
+    reject(
+        bbh_doc,
+        "differ only in case, spaces, hyphens or underscores",
+        "['Spatial - Reasoning', 'spatial_reasoning']",
+    )
+
+
 def test_unknown_ability_in_a_task_type(bbh_doc):
     type_row(bbh_doc, "navigate")["requires"] = ["spatial", "telepathy"]
     reject(bbh_doc, "task type 'navigate'", "unknown ability 'telepathy'")
