@@ -952,8 +952,11 @@ def parse_choice(text: str, agents: Sequence[int]) -> int:
     allowed = {int(a) for a in agents}
     for value in reversed(_json_values(text)):
         if isinstance(value, dict) and "agent" in value:
+            named = value["agent"]  # 3, "3", "agent 3", "Agent 3" or 3.0; not true/false
+            if isinstance(named, float) and named.is_integer():
+                named = int(named)
             try:
-                agent = int(str(value["agent"]).strip().removeprefix("agent").strip())
+                agent = int(str(named).strip().casefold().removeprefix("agent").strip())
             except ValueError:
                 continue
             if agent in allowed:

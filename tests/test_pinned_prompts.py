@@ -71,6 +71,17 @@ def test_an_agent_choice_followed_by_other_json_is_read():
     assert prompts.parse_choice('{"agent": 4} then {"agent": "the third one"}', [3, 4]) == 4
 
 
+def test_an_agent_is_read_however_its_id_is_written():
+    """A router / selection reply may write the agent as 3, "3", "agent 3", "Agent 3" or 3.0 (an
+    audit found "Agent 3" and 3.0 refused while "agent 3" was read); a fraction or a boolean is no
+    agent."""
+    for written in ("3", '"3"', '"agent 3"', '"Agent 3"', '" AGENT  3 "', "3.0"):
+        assert prompts.parse_choice(f'{{"agent": {written}}}', [3, 4]) == 3, written
+    for garbage in ("3.5", "true", '"agent three"'):
+        with pytest.raises(prompts.ReplyParseError):
+            prompts.parse_choice(f'{{"agent": {garbage}}}', [1, 3, 4])
+
+
 def test_an_evaluation_followed_by_a_json_that_is_none_is_read():
     """parse_evaluation takes the last JSON object that validates. Mutation: the first invalid
     object, in reverse order, ends the search."""
