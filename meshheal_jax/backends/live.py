@@ -638,7 +638,8 @@ class LiveClient:
             )
         try:
             entries = reply.json()["data"]
-            names = {str(entry["id"]): entry.get("root") for entry in entries}
+            # a root that is not text (garbage) names no model: the role's model id must then be given
+            names = {str(entry["id"]): _text_or_none(entry.get("root")) for entry in entries}
         except (ValueError, KeyError, TypeError):
             raise ServerUnavailableError(
                 f"live backend: GET {url}/models did not return a model list"
@@ -863,6 +864,11 @@ class LiveClient:
         model_id = self.model_ids[request.role]
         key = cache_key(model_id, request.messages, params)
         hit = self.cache.get(key)
+        if hit is not None and not _is_stored_reply(hit):
+            warnings.warn(MeshHealWarning(
+                f"response cache {self.cache.path}: a row holds JSON that is not a reply "
+                f"({_short(json.dumps(hit), 80)}); the call is sent again and its reply replaces the row"), stacklevel=2)  # fmt: skip
+            hit = None
         if hit is not None and _unfinished(hit) is not None:
             hit = None  # an older version cached the server's failure: sent again, its reply replaces it
         if hit is not None:
@@ -875,7 +881,7 @@ class LiveClient:
 
     def _note_usage(self, role: str, payload: Mapping[str, Any]) -> None:
         """Warn, once per role, of a reply without `usage`: its tokens count 0 in every table."""
-        if payload["usage"] is None and role not in self._without_usage:
+        if payload.get("usage") is None and role not in self._without_usage:
             self._without_usage.add(role)
             warnings.warn(MeshHealWarning(
                 f"live backend: the {role} server sent a reply without token usage; its tokens count "
@@ -1025,6 +1031,10 @@ def chat_body(served_name: str, messages, params: Mapping[str, Any]) -> dict[str
     return body
 
 
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _short(err: object, limit: int = 300) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -1070,6 +1080,18 @@ def _payload(reply: Any, latency_s: float) -> dict | None:
         },
         "latency_s": latency_s,
     }
+
+
+def _is_stored_reply(value: Any) -> bool:
+    """Whether a response cache row has the form `_payload` writes (an object whose "choices" is a
+    list of objects, whose "usage", if there, is an object or null), which is all a reply is read
+    through; a row that is JSON but not that (a hand-edited or foreign file) is no cached reply."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("choices"), list):
+        return False
+    usage = value.get("usage")
+    return all(isinstance(c, Mapping) for c in value["choices"]) and (
+        usage is None or isinstance(usage, Mapping)
+    )
 
 
 def _unfinished(reply: Any) -> str | None:
