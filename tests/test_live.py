@@ -53,6 +53,7 @@ WEAK_ROOT = "meta-llama/Llama-3.2-1B-Instruct"
 FAST_RETRY = RetryPolicy(
     max_retries=3, backoff_base_s=0.01, backoff_cap_s=0.05, connect_timeout_s=2.0, request_timeout_s=10.0
 )
+HOLD_LIMIT_S = 5.0  # ScriptedServer(hold_until=): answers anyway after this long (below the timeout above)
 PROMPT_TOKENS = 40
 COMPLETION_TOKENS = 7
 REASONS = {
@@ -99,6 +100,8 @@ class ScriptedServer:
     script(body, index) -> Reply decides each chat completion; `index` counts chat requests.
     die_after: after answering that many chat requests the server closes its socket and drops
     every open connection, in-flight requests included (a server dying mid-batch).
+    hold_until: no chat request is answered before that many are at the server at once (or
+    HOLD_LIMIT_S has passed): a check of concurrency that does not race the client's sending.
     """
 
     def __init__(
@@ -109,8 +112,10 @@ class ScriptedServer:
         delay_s: float = 0.0,
         die_after: int | None = None,
         api_key: str | None = None,
+        hold_until: int | None = None,
     ) -> None:
         self.script, self.served, self.root = script, tuple(served), root
+        self.hold_until, self._all_held = hold_until, asyncio.Event()
         self.api_key = api_key
         self.delay_s, self.die_after = delay_s, die_after
         self.chats: list[dict] = []
@@ -202,6 +207,11 @@ class ScriptedServer:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            if self.hold_until is not None:
+                if self.in_flight >= self.hold_until:
+                    self._all_held.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._all_held.wait(), HOLD_LIMIT_S)
             await asyncio.sleep(self.delay_s + reply.delay_s)
         finally:
             self.in_flight -= 1
@@ -309,10 +319,10 @@ def test_round_sent_concurrently_and_capped_by_semaphore():
             assert len(responses) == 24 and all(r.parse_status == (PARSE_OK,) for r in responses)
             assert [r.parsed[0].answer for r in responses] == ["(A)"] * 24
 
-        async with ScriptedServer(delay_s=0.1) as server:  # a semaphore above the round: all at once
+        async with ScriptedServer(hold_until=24) as server:  # a semaphore above the round: all at once
             async with LiveClient([strong(server, max_in_flight=64)], retry=FAST_RETRY) as client:
                 await client.run_batch([gen_request(i) for i in range(24)])
-            assert server.max_in_flight == 24  # all 24 at the server at once (no clock: a loaded machine)
+            assert server.max_in_flight == 24  # all 24 at the server at once, none answered before
 
     run(scenario())
 
