@@ -165,6 +165,17 @@ def _question_field(row: dict, field: str, where: str) -> str:
     return text
 
 
+def _row_id(value: object) -> object:
+    """An id field as a uid reads it: a missing cell (None, or NaN as pandas / parquet float columns
+    hold it) is no id, so rows without one fall back to file and row instead of sharing "nan"; a
+    whole float (70.0, an id column read as floats) is the integer it holds."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return int(value) if value.is_integer() else value
+    return value
+
+
 def _text_field(row: dict, field: str, where: str) -> str:
     if field not in row or row[field] is None:
         raise _row_error(where, f"missing field {field!r}")
@@ -322,10 +333,10 @@ def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
         gold = None if span is None else span[1]
         if gold is None or not gold:
             raise _row_error(where, "no 'answer' field and no complete \\boxed{...} in 'solution'")
-    if row.get("unique_id"):
-        uid = str(row["unique_id"])
-    elif row.get("idx") is not None:
-        uid = f"{task_type}/idx:{row['idx']}"
+    if _row_id(row.get("unique_id")) not in (None, ""):
+        uid = str(_row_id(row["unique_id"]))
+    elif _row_id(row.get("idx")) is not None:
+        uid = f"{task_type}/idx:{_row_id(row['idx'])}"
     else:
         uid = fallback_uid
     return Record(question, task_type, gold, None, uid, where)
@@ -355,7 +366,8 @@ def map_mmlu_pro_row(row: dict, where: str, fallback_uid: str = "") -> Record:
         last = MMLU_PRO_LETTERS[len(options) - 1]
         raise _row_error(where, f"field 'answer' = {row['answer']!r} is not one of the letters A-{last}")
     # answer_index is not consulted: the letter is trusted (question 3983 disagrees, the letter is right).
-    uid = f"qid:{row['question_id']}" if row.get("question_id") is not None else fallback_uid
+    qid = _row_id(row.get("question_id"))
+    uid = f"qid:{qid}" if qid is not None else fallback_uid
     return Record(question, task_type, letter, options, uid, where)
 
 

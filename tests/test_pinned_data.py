@@ -182,6 +182,23 @@ def test_uids_are_question_id_even_zero_else_file_and_row(tmp_path):
     assert uids == [f"x.jsonl:{n}" for n in range(1, len(rows) + 1)]
 
 
+def test_a_missing_id_read_as_nan_is_no_id_and_a_whole_float_id_is_an_integer(tmp_path):
+    """An id column read as floats (pandas / parquet) holds NaN for a missing id and 70.0 for 70: the
+    NaN rows fall back to file and row (they once all became "qid:nan", one uid), 70.0 reads as
+    "qid:70" as the integer column gives it; the same for MATH's unique_id and idx."""
+    rows = mmlu_rows()
+    for row, qid in zip(rows, (70.0, float("nan"), float("nan"))):
+        row["question_id"] = qid
+    records = data.load_local("mmlu_pro", write_jsonl(tmp_path / "x.jsonl", rows))
+    uids = {r.uid for r in records}
+    assert {"qid:70", "x.jsonl:2", "x.jsonl:3"} <= uids and len(uids) == len(rows)
+    rows = math_rows()
+    rows[0]["unique_id"], rows[0]["idx"] = float("nan"), 12.0
+    rows[1]["unique_id"] = float("nan")
+    records = data.load_local("math", write_jsonl(tmp_path / "m.jsonl", rows))
+    assert {f"{rows[0]['type']}/idx:12", "m.jsonl:2"} <= {r.uid for r in records}
+
+
 def test_a_type_that_differs_from_the_profiles_only_in_case_warns(tmp_path):
     """decisions X10: a row whose type differs from a profile type only in case, spaces, '-' or '_'
     is left out with a TaskTypeWarning. Mutation: case not folded (left out without a word)."""
