@@ -151,18 +151,17 @@ def experiment_from_config(experiment: dict) -> runner.Experiment:
     for key in ("profiles_dir", "params_dir"):
         if fields.get(key) is not None:
             fields[key] = Path(fields[key])
-    if isinstance(fields.get("live"), dict):
-        live = dict(fields["live"])
-        for key in ("strong_urls", "weak_urls"):
-            live[key] = tuple(live.get(key) or ())
-        fields["live"] = runner.LiveSettings(**live)
-    protocol_known = {f.name for f in dataclasses.fields(ProtocolParams)}
-    fields["protocol"] = ProtocolParams(
-        **{k: v for k, v in recorded_protocol(experiment.get("protocol", {})).items() if k in protocol_known}
-    )
     try:
+        if isinstance(fields.get("live"), dict):
+            live = dict(fields["live"])
+            for key in ("strong_urls", "weak_urls"):
+                live[key] = tuple(live.get(key) or ())
+            fields["live"] = runner.LiveSettings(**live)
+        protocol_known = {f.name for f in dataclasses.fields(ProtocolParams)}
+        recorded = recorded_protocol(experiment.get("protocol") or {})
+        fields["protocol"] = ProtocolParams(**{k: v for k, v in recorded.items() if k in protocol_known})
         return runner.Experiment(**fields)
-    except TypeError as err:
+    except TypeError as err:  # a field it lacks, or one it does not know (a live block's)
         raise MeshHealError(f"config.json's experiment block does not describe a run: {err}") from None
 
 
@@ -843,9 +842,11 @@ def write_report(run_dir: Path | str, show_seed: int | None = None) -> Path:
     config_path = Path(run_dir) / "config.json"
     if config_path.is_file():
         try:
-            name = json.loads(config_path.read_text()).get("experiment", {}).get("name")
+            config = json.loads(config_path.read_text())
         except json.JSONDecodeError:
-            name = None  # load_run names the problem
+            config = None  # load_run names the problem, as it does a config that is not a run's
+        experiment = config.get("experiment") if isinstance(config, dict) else None
+        name = experiment.get("name") if isinstance(experiment, dict) else None
         if name == "sweep":
             from meshheal_jax import sweep
 
