@@ -21,6 +21,7 @@ the task type, no answer).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -121,6 +122,10 @@ def abilities_of(profile: Profile, names_or_ids: Sequence[str | int]) -> tuple[A
     refs = []
     for item in names_or_ids:
         index = item if isinstance(item, int) else _ability_index(profile, item)
+        if not 0 <= index < len(profile.abilities):  # -1 would name the last ability
+            raise MeshHealError(
+                f"prompts: {profile.dataset} has no ability index {index}; its abilities are 0..{len(profile.abilities) - 1}"
+            )
         refs.append(AbilityRef(profile.abilities[index], profile.descriptions[index]))
     return tuple(refs)
 
@@ -416,6 +421,9 @@ class ContributeReview(BaseModel):
     @field_validator("confidence", mode="before")
     @classmethod
     def _confidence(cls, value: Any) -> str:
+        if isinstance(value, str):  # "0.8": a number written as text reads as the number
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
             return "low" if value < 0.4 else "medium" if value < 0.75 else "high"
         return _normalise_choice(value, CONFIDENCES, "confidence")

@@ -98,9 +98,21 @@ def test_a_numeric_confidence_is_read_only_within_zero_to_one():
     (a percentage, 85) is garbage, not "high". Mutations: 0.4 read as low; the range not checked."""
     assert prompts.parse_review(_review(confidence=0.4), "contribute").confidence == "medium"
     assert prompts.parse_review(_review(confidence=1), "contribute").confidence == "high"
-    for garbage in (85, -0.1):
+    for garbage in (85, -0.1, "85", "nan"):
         with pytest.raises(ReplyParseError, match="confidence"):
             prompts.parse_review(_review(confidence=garbage), "contribute")
+    # a number written as text reads as the number (an audit found "0.8" refused while 0.8 was read)
+    assert prompts.parse_review(_review(confidence=" 0.8"), "contribute").confidence == "high"
+    assert prompts.parse_review(_review(confidence="0.2"), "contribute").confidence == "low"
+
+
+def test_an_ability_index_outside_the_vocabulary_is_refused(bbh):
+    """abilities_of takes names or vocabulary indices; -1 once named the last ability and 99 raised
+    a bare IndexError."""
+    assert [a.name for a in prompts.abilities_of(bbh, [0, "spatial"])] == [bbh.abilities[0], "spatial"]
+    for index in (-1, len(bbh.abilities)):
+        with pytest.raises(MeshHealError, match=rf"no ability index {index}; its abilities are 0\.\.6"):
+            prompts.abilities_of(bbh, [index])
 
 
 def test_a_verdict_keeps_its_evidence_without_surrounding_space():
