@@ -36,7 +36,7 @@ import numpy as np
 
 from meshheal_jax.errors import MeshHealError, MeshHealWarning
 from meshheal_jax.files import read_text
-from meshheal_jax.topology import Profile, load_profile
+from meshheal_jax.topology import Profile, load_profile, name_key
 
 DATASETS = ("bbh", "math", "mmlu_pro")
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample_data"
@@ -333,10 +333,11 @@ def map_math_row(row: dict, where: str, fallback_uid: str = "") -> Record:
         gold = None if span is None else span[1]
         if gold is None or not gold:
             raise _row_error(where, "no 'answer' field and no complete \\boxed{...} in 'solution'")
-    if _row_id(row.get("unique_id")) not in (None, ""):
-        uid = str(_row_id(row["unique_id"]))
-    elif _row_id(row.get("idx")) is not None:
-        uid = f"{task_type}/idx:{_row_id(row['idx'])}"
+    unique_id, idx = _row_id(row.get("unique_id")), _row_id(row.get("idx"))
+    if unique_id not in (None, ""):
+        uid = str(unique_id)
+    elif idx is not None:
+        uid = f"{task_type}/idx:{idx}"
     else:
         uid = fallback_uid
     return Record(question, task_type, gold, None, uid, where)
@@ -389,10 +390,6 @@ class TaskTypeWarning(MeshHealWarning):
     """Data rows left out because their task type only nearly matches one of the profile's."""
 
 
-def _loose(task_type: str) -> str:
-    return re.sub(r"[\s_-]+", "_", task_type.strip().lower())
-
-
 def filter_to_profile(records: Iterable[Record], profile: Profile, source: str) -> list[Record]:
     """Keep the records of the profile's task types; every task type must have at least one. Rows
     of other types are left out (MMLU-Pro's other categories); one whose type differs from a
@@ -404,10 +401,10 @@ def filter_to_profile(records: Iterable[Record], profile: Profile, source: str) 
         found[rec.task_type] += 1
         if rec.task_type in wanted:
             kept.append(rec)
-    loose = {_loose(t): t for t in wanted}
-    near = sorted(t for t in found if t not in wanted and _loose(t) in loose)
+    loose = {name_key(t): t for t in wanted}
+    near = sorted(t for t in found if t not in wanted and name_key(t) in loose)
     if near:
-        listed = ", ".join(f"{t!r} ({found[t]} rows; the profile's {loose[_loose(t)]!r})" for t in near)
+        listed = ", ".join(f"{t!r} ({found[t]} rows; the profile's {loose[name_key(t)]!r})" for t in near)
         warnings.warn(f"{source}: rows left out, their task type is not written as the profile's: {listed}",
                       TaskTypeWarning, stacklevel=2)  # fmt: skip
     missing = [t for t in profile.task_types if t not in found]

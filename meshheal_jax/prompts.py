@@ -35,7 +35,7 @@ from meshheal_jax import params
 from meshheal_jax.data import DATASETS, MMLU_PRO_LETTERS
 from meshheal_jax.errors import MeshHealError
 from meshheal_jax.scoring import extract_answer
-from meshheal_jax.topology import Profile, ability_key
+from meshheal_jax.topology import Profile, name_key
 
 Message = dict[str, str]
 
@@ -336,8 +336,8 @@ def parse_inference(text: str, profile: Profile) -> InferredPair:
         if not isinstance(names, list) or len(names) != 2 or not all(isinstance(n, str) for n in names):
             problems.append("not a list of two ability names")
             continue
-        lookup = {ability_key(name): i for i, name in enumerate(profile.abilities)}
-        ids = [lookup.get(ability_key(n)) for n in names]
+        lookup = {name_key(name): i for i, name in enumerate(profile.abilities)}
+        ids = [lookup.get(name_key(n)) for n in names]
         if None in ids:
             problems.append(f"unknown ability in {names}")
             continue

@@ -119,8 +119,9 @@ def _row_texts(rows: list, table: str, key: str, source: str, required: bool = T
     return out
 
 
-def ability_key(name: str) -> str:
-    """How a model's reply is matched to an ability name: case, and runs of spaces, hyphens and
+def name_key(name: str) -> str:
+    """How a name from elsewhere is matched to a profile's ability or task-type name (a model's
+    reply, a data file's type column, decisions X10): case, and runs of spaces, hyphens and
     underscores, do not matter ("Multi-step deduction" names multi_step_deduction)."""
     return re.sub(r"[\s\-_]+", "_", name.strip()).casefold()
 
@@ -146,7 +147,7 @@ def parse_profile(doc: dict, source: str = "<profile>") -> Profile:
         repeated = sorted({n for n in given if given.count(n) > 1})
         if repeated:
             raise MeshHealError(f"{source}: {kind} names must be unique: {repeated} repeated")
-    keys = [ability_key(n) for n in names]
+    keys = [name_key(n) for n in names]
     alike = sorted(n for n, key in zip(names, keys) if keys.count(key) > 1)
     if alike:
         raise MeshHealError(f"{source}: ability names {alike} differ only in case, spaces, hyphens or "

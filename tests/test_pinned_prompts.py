@@ -165,7 +165,7 @@ def test_inference_reads_a_profiles_ability_name_with_a_space_or_hyphen(tmp_path
     the reply's spaces and hyphens to "_" but not the profile's names, so "multi-step deduction" was
     an unknown ability however it was written, every inference of such a profile failed to parse,
     and the fallback (the true pair, recorded correct) stood in for it. Both sides are now folded
-    alike (topology.ability_key), also "Multi Step-Deduction"."""
+    alike (topology.name_key), also "Multi Step-Deduction"."""
     profile = _math_profile_renamed(tmp_path, "multi_step_deduction", "multi-step deduction")
     assert (
         "multi-step deduction"

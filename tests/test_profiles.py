@@ -286,7 +286,7 @@ def test_duplicate_ability_names(bbh_doc):
 
 def test_ability_names_a_reply_could_not_tell_apart(bbh_doc):
     # a model's reply is matched to an ability ignoring case, spaces, hyphens and underscores
-    # (topology.ability_key, prompts.parse_inference)
+    # (topology.name_key, prompts.parse_inference)
     bbh_doc["ability"][0]["name"] = "spatial_reasoning"
     bbh_doc["ability"][1]["name"] = "Spatial - Reasoning"
     reject(
