@@ -183,7 +183,8 @@ def _text_field(row: dict, field: str, where: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise _row_error(where, f"field {field!r} must be a string, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):  # a missing cell read by pandas/parquet
-        raise _row_error(where, f"field {field!r} is {value} (a missing value), not text")
+        what = "a missing value" if math.isnan(value) else "not a finite number"
+        raise _row_error(where, f"field {field!r} is {value} ({what}), not text")
     text = str(value)
     if not text.strip():
         raise _row_error(where, f"field {field!r} is empty")

@@ -145,8 +145,8 @@ def experiment_from_config(experiment: dict) -> runner.Experiment:
     """config.json's "experiment" block -> the runner.Experiment it was written from."""
     known = {f.name for f in dataclasses.fields(runner.Experiment)}
     fields = {k: v for k, v in experiment.items() if k in known}
-    for key in ("datasets", "pairs", "seeds", "degraded"):
-        if key in fields:
+    for key in ("datasets", "pairs", "seeds", "methods", "degraded", "tables"):
+        if fields.get(key) is not None:  # JSON lists back to the tuples the run was written from
             fields[key] = tuple(fields[key])
     for key in ("profiles_dir", "params_dir"):
         if fields.get(key) is not None:

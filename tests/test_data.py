@@ -379,6 +379,9 @@ def test_bbh_target_nan_is_named(tmp_path):
         MeshHealError, match=r"navigate\.json, row 1: field 'target' is nan \(a missing value\)"
     ):
         data.load_local("bbh", tmp_path)
+    (tmp_path / "navigate.json").write_text('{"examples": [{"input": "q", "target": -Infinity}]}')
+    with pytest.raises(MeshHealError, match=r"field 'target' is -inf \(not a finite number\), not text"):
+        data.load_local("bbh", tmp_path)
 
 
 def test_bbh_bad_example_names_task_file_and_row(tmp_path):

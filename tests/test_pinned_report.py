@@ -271,3 +271,14 @@ def test_config_json_reads_back_as_the_experiment_it_was_written_from():
     assert (back.datasets, back.seeds, back.degraded) == (("bbh", "math"), (0, 1), (2, 4))
     assert (back.live.strong_urls, back.live.weak_urls) == (("http://a/v1",), ("http://b/v1",))
     assert back.profiles_dir == Path("/p")
+
+
+def test_config_json_of_a_scale_run_reads_back_whole():
+    """A scale run's experiment has degraded=None (A3/A5 of every replica): it reads back (it raised
+    a raw TypeError, so calibrate's twin check could not rebuild a scale run), equal to the one
+    written, its lists tuples again."""
+    exp = runner.Experiment(name="scale", datasets=("bbh",), pairs=("default",), seeds=(0,), n_agents=96,
+                            n_tasks=504 * 16, degraded=None, topology="sparse", methods=("meshheal",),
+                            tables=("tasks", "reviews"))  # fmt: skip
+    back = report.experiment_from_config(json.loads(json.dumps(exp.to_json())))
+    assert back == exp
