@@ -1003,6 +1003,11 @@ class EvaluationReply(BaseModel):
     def _on_grid(cls, value: Any) -> float:
         return snap_score(value)
 
+    @field_validator("one_sentence_reason", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> str:  # the reason is advisory: null reads as none given, as in a review
+        return "" if value is None else str(value)
+
 
 def evaluation_messages(task: TaskText, own_answer: str, other_answer: str,
                         abilities: Sequence[AbilityRef]) -> list[Message]:  # fmt: skip

@@ -89,6 +89,13 @@ def test_an_evaluation_followed_by_a_json_that_is_none_is_read():
     assert prompts.parse_evaluation(text) == (1.0, 0.25)
 
 
+def test_an_evaluation_whose_reason_is_null_reads_as_one_without_a_reason():
+    """The reason is advisory: null reads as none given, as a missing one does and as a review's
+    null evidence does (it made the whole evaluation garbage, scored neutral)."""
+    for reason in (', "one_sentence_reason": null', ""):
+        assert prompts.parse_evaluation(f'{{"own_score": 1, "other_score": 0{reason}}}') == (1.0, 0.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Review replies: the numeric confidence and the evidence as round 2 shows it
 
