@@ -150,7 +150,12 @@ def _set(doc: dict, path: tuple[str, ...], value) -> None:
     target = doc
     for key in path[:-1]:
         target = target[key]
-    target[path[-1]] = {"default": value} if path[0] == "p_part" else value
+    if path[0] != "p_part":
+        target[path[-1]] = value
+    elif isinstance(target.get(path[-1]), dict):  # the default is searched; per-type values are kept
+        target[path[-1]] = {**target[path[-1]], "default": value}
+    else:
+        target[path[-1]] = {"default": value}
 
 
 def encode(docs: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS) -> np.ndarray:
@@ -335,9 +340,9 @@ class FitConfig:
     """also write the best candidate's files into meshheal_jax/model_params/ (they are always
     written into OUT/model_params/)"""
     scan_spread: tuple[float, ...] = ()
-    """no search when any --scan-* is given: evaluate the pair's files with every (difficulty_spread,
-    review_difficulty, draft_blame) of scan_spread x scan_review x scan_blame set on both models
-    (one batch, the fit seeds; an axis left out is 0) and print a table"""
+    """default pair only; no search when any --scan-* is given: evaluate its files with every
+    (difficulty_spread, review_difficulty, draft_blame) of scan_spread x scan_review x scan_blame set
+    on both models (one batch, the fit seeds; an axis left out is 0) and print a table"""
     scan_review: tuple[float, ...] = ()
     """review_difficulty values of the scan"""
     scan_blame: tuple[float, ...] = ()
@@ -365,6 +370,13 @@ def check_search(cfg: FitConfig) -> None:
             raise MeshHealError(
                 f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(cfg, name)}"
             )
+    if not 0 <= cfg.prior < math.inf:
+        raise MeshHealError(f"--prior must be a finite number >= 0, got {cfg.prior}")
+    if cfg.scans() and cfg.pair != "default":
+        raise MeshHealError(
+            f"--scan-* evaluates the default pair's targets; pair {cfg.pair} has only its accuracy target: "
+            "drop --pair or the --scan-* options"
+        )
     if cfg.out.exists() and not cfg.out.is_dir():
         raise MeshHealError(f"--out {cfg.out} exists and is not a folder")
     if not cfg.fit_seeds or len(set(cfg.fit_seeds)) != len(cfg.fit_seeds):
