@@ -14,6 +14,7 @@ import json
 import math
 import shlex
 from collections import defaultdict
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -286,6 +287,7 @@ def test_the_token_ranges_are_scaled_to_the_target_unless_no_tokens(tmp_path, pa
         dict(structure=True, difficulty_sigma=0.9, search_seed=3, fit_seeds=(100, 104)),
         dict(pair="B", prior=0.05, population=16, generations=12, sigma=0.2, start=START),
         dict(tokens=False, generations=8, sigma=0.1),
+        dict(pair="A", start=Path("/tmp/fit start's files")),  # quoted: a space and a quote parse back
     ],
 )
 def test_a_written_files_command_gives_the_same_settings(settings):
