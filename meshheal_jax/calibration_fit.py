@@ -555,7 +555,8 @@ def command_line(cfg: FitConfig) -> str:
     if cfg.start is not None:
         where = cfg.start.resolve()
         here = Path.cwd().resolve()
-        start = f" --start {shlex.quote(str(where.relative_to(here) if where.is_relative_to(here) else where))}"
+        shown = where.relative_to(here) if where.is_relative_to(here) else where
+        start = f" --start {shlex.quote(str(shown))}"
     structure = f" --structure --difficulty-sigma {cfg.difficulty_sigma}" if cfg.structure else ""
     prior = f" --prior {cfg.prior}" if cfg.pair != "default" and cfg.prior != FitConfig.prior else ""
     tokens = " --no-tokens" if cfg.pair == "default" and not cfg.tokens else ""
