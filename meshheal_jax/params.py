@@ -7,12 +7,15 @@ in float64 with the last set to 1.0, so no engine recomputes a cumsum (spec/arch
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 import tomllib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
@@ -298,6 +301,23 @@ def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool],
     return out
 
 
+def _model_id(value: Any, source: str) -> str:
+    """The id a live run sends to its server: non-empty text."""
+    if not isinstance(value, str) or not value.strip():
+        raise MeshHealError(f"{source}: model must be a non-empty model id (text), got {value!r}")
+    return value
+
+
+def _toml_key(key: str) -> str:
+    """A key as TOML reads it back: bare where TOML allows, else a quoted basic string."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    # a JSON string is a TOML basic string, but for DEL, which TOML wants escaped
+    return json.dumps(text).replace("\x7f", "\\u007f")
+
+
 def parse_model(doc: dict, name: str, source: str) -> ModelParams:
     unknown_keys(doc, MODEL_KEYS, source)
     missing = [k for k in SCALARS + ("n_distractors",) if k not in doc]
@@ -336,7 +356,7 @@ def parse_model(doc: dict, name: str, source: str) -> ModelParams:
                       f"{'; '.join(blunt)}", ModelFileWarning, stacklevel=2)  # fmt: skip
     return ModelParams(
         name=name,
-        model=str(doc.get("model", name)),
+        model=_model_id(doc.get("model", name), source),
         scalars=scalars,
         n_distractors=n_distractors,
         p_part=p_part,
@@ -393,9 +413,11 @@ def load_pair(name: str, model_dir: Path | None = None) -> Pair:
 
 
 def dump_model(m: ModelParams, header: str = "", notes: Mapping[str, str] | None = None) -> str:
-    """A model file's TOML text (the inverse of parse_model). `notes`: a comment written beside a
-    value, keyed by its path (`p_infer`, `p_part.bbh.default`, `review.strong_author.wrong`,
-    `completion_tokens.generate`, ...; a p_part line gathers its types' notes)."""
+    """A model file's TOML text, which parse_model reads back to the same model, its numbers written
+    to 6 significant digits (the fits round to 6 decimals: a value >= 1 can lose its last digits).
+    `notes`: a comment written beside a value, keyed by its path (`p_infer`, `p_part.bbh.default`,
+    `review.strong_author.wrong`, `completion_tokens.generate`, ...; a p_part line gathers its types'
+    notes)."""
     notes = notes or {}
 
     def note(*keys: str) -> str:  # one line of printable text, whatever a note holds
@@ -404,16 +426,15 @@ def dump_model(m: ModelParams, header: str = "", notes: Mapping[str, str] | None
         said = [f"{k.rsplit('.', 1)[-1]}: {v}" if len(keys) > 1 else v for k, v in clean.items()]
         return f"  # {'; '.join(said)}" if said else ""
 
-    lines = [f"# {line}" for line in header.splitlines()] + [f"model = {m.model!r}".replace("'", '"')]
+    printable = ("".join(c if c.isprintable() else " " for c in line) for line in header.splitlines())
+    lines = [f"# {line}" for line in printable] + [f"model = {_toml_string(m.model)}"]
     for key in SCALARS + OPTIONAL:
         lines.append(f"{key} = {m.scalars.get(key, 0.0):.6g}{note(key)}")
     lines.append(f"n_distractors = {m.n_distractors}{note('n_distractors')}")
     lines += ["", "[p_part]"]
     for dataset, table in m.p_part.items():
-        items = ", ".join(
-            f'"{k}" = {v:.6g}' if " " in k or "&" in k else f"{k} = {v:.6g}" for k, v in table.items()
-        )
-        lines.append(f"{dataset} = {{ {items} }}{note(*(f'p_part.{dataset}.{k}' for k in table))}")
+        items = ", ".join(f"{_toml_key(k)} = {v:.6g}" for k, v in table.items())
+        lines.append(f"{_toml_key(dataset)} = {{ {items} }}{note(*(f'p_part.{dataset}.{k}' for k in table))}")
     for section, table in (("review", m.review), ("round2", m.round2)):
         for role in AUTHOR_ROLES:
             lines += ["", f"[{section}.{role}]"]
