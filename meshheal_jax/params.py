@@ -285,7 +285,12 @@ def _per_kind(doc: dict, key: str, source: str) -> dict:
 
 def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool], tuple[float, ...]]:
     out = {}
+    table = _table(doc, section, source)
+    unknown_keys(table, AUTHOR_ROLES, f"{source}: {section}")
     for role in AUTHOR_ROLES:
+        if not isinstance(table.get(role, {}), dict):
+            raise MeshHealError(f"{source}: {section}.{role} must be a table, got {table[role]!r}")
+        unknown_keys(table.get(role, {}), ("correct", "wrong"), f"{source}: {section}.{role}")
         for label, correct in (("correct", True), ("wrong", False)):
             where = f"{source}: {section}.{role}.{label}"
             try:

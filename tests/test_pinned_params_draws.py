@@ -344,3 +344,24 @@ def test_pick_from_mask_is_the_reference_s_pick_among_the_listed_candidates():
         listed = [i for i, x in enumerate(mask) if x]
         want.append(listed[reference.pick(u, len(listed))] if listed else -1)
     assert got.tolist() == want
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda d: d["review"]["strong_author"].update(wrnog=[0.25] * 4),
+            r"review\.strong_author: unknown key\(s\) wrnog",
+        ),
+        (lambda d: d["round2"].update(strong_autor={}), r"round2: unknown key\(s\) strong_autor"),
+        (lambda d: d["review"].update(strong_author=[1, 2]), r"review\.strong_author must be a table"),
+        (lambda d: d.update(round2="x"), r"round2 must be a table"),
+    ],
+)
+def test_a_review_table_s_misspelt_or_misshapen_entry_is_named(strong_doc, change, message):
+    """Only the file's top level refused unknown keys: a misspelt label beside the right one (or an
+    extra role) was read as absent, silently; a role given as a list was called missing."""
+    doc = copy.deepcopy(strong_doc)
+    change(doc)
+    with pytest.raises(MeshHealError, match=rf"{SOURCE}: {message}"):
+        parse(doc)
