@@ -254,8 +254,11 @@ def read_run(run_dir: Path, run: int, base_dir: Path) -> tuple[dict[str, pl.Data
     calls = calls.with_row_index("order").join(mapping, on=["pair", "model"], how="left")
     unknown = calls.filter(pl.col("stem").is_null()).select("pair", "model").unique()
     if unknown.height:
+        params_dir = experiment.get("params_dir")
+        missing = (f"; the run's params_dir {params_dir} is not a folder here, so {base_dir} was read"
+                   if params_dir and not Path(params_dir).is_dir() else "")  # fmt: skip
         raise MeshHealError(f"{run_dir / 'calls.parquet'}: model names {unknown.rows()} match no parameter file of "
-                            f"their pair (known: {mapping.rows()})")  # fmt: skip
+                            f"their pair (known: {mapping.rows()}){missing}")  # fmt: skip
     # latent truth: a correctness on a call the gold cannot score (a review, a Contribute generation)
     partial = pl.col("kind").is_in(["review", "committee1", "committee2"]) | (
         (pl.col("kind") == "generate") & pl.col("answer_id").is_null()

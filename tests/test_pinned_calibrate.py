@@ -262,6 +262,13 @@ def test_model_ids_come_from_the_runs_params_dir_and_else_from_the_base_folder(t
     with pytest.raises(MeshHealError, match=r"model names \[\('default', 'acme/strong-custom'\)\] match no "
                                             r"parameter file of their pair"):  # fmt: skip
         C.load_trace([write_run(tmp_path / "no-params", task(1, infer=("acme/strong-custom", True)))])
+    # a params_dir that is not here is read as the base folder, and the message says so
+    gone = write_run(tmp_path / "gone", task(1, infer=("acme/strong-custom", True)),
+                     experiment={"params_dir": str(tmp_path / "moved")})  # fmt: skip
+    with pytest.raises(
+        MeshHealError, match=rf"the run's params_dir {tmp_path / 'moved'} is not a folder here, so "
+    ):
+        C.load_trace([gone])
 
 
 def test_the_base_params_dir_names_the_models_of_a_run_without_a_params_dir(tmp_path):
