@@ -171,8 +171,9 @@ def _live_doc(flags: CommonFlags) -> dict:
                        ("weak_model", flags.weak_model), ("reasoning_effort", flags.reasoning_effort),
                        ("tokenizer", flags.tokenizer)):  # fmt: skip
         if value or (
-            key in ("max_tokens", "request_timeout_s", "reasoning_effort", "data") and value is not None
-        ):  # reach the checks (an empty --data too: "$DIR" with DIR unset)
+            key in ("max_tokens", "request_timeout_s", "reasoning_effort", "data", "tokenizer")
+            and value is not None
+        ):  # reach the checks (an empty --data or --tokenizer too: "$DIR" with DIR unset)
             doc[key] = value
     for key, (_, placeholder) in HUB_KEYS.items():  # per dataset: a flag's dataset wins over the file's
         merged = {}
@@ -209,6 +210,10 @@ def _settings(doc: dict, flags: CommonFlags):
                 "reasoning_effort", "tokenizer"):  # fmt: skip
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise MeshHealError(f"{source}: {key} must be a string, got {doc[key]!r}")
+    if doc.get("tokenizer") is not None and not doc["tokenizer"].strip():  # Path("") is the current folder
+        raise MeshHealError(
+            f"{source}: tokenizer is empty: give a tokenizer.json, its folder or a hub model id"
+        )
 
     def urls(key: str) -> tuple[str, ...]:
         value = doc.get(key, ())
