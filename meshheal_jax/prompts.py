@@ -27,9 +27,9 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from meshheal_jax import params
 from meshheal_jax.data import DATASETS, MMLU_PRO_LETTERS
@@ -328,6 +328,7 @@ def parse_inference(text: str, profile: Profile) -> InferredPair:
     if not candidates:
         raise ReplyParseError("inference reply has no JSON")
     problems = []
+    lookup = {name_key(name): i for i, name in enumerate(profile.abilities)}
     for value in reversed(candidates):
         if value == INFERENCE_TEMPLATE:  # an echo of the prompt: what came before it is the prompt's
             problems.append("the prompt's reply form, repeated (an echo of the prompt)")
@@ -336,7 +337,6 @@ def parse_inference(text: str, profile: Profile) -> InferredPair:
         if not isinstance(names, list) or len(names) != 2 or not all(isinstance(n, str) for n in names):
             problems.append("not a list of two ability names")
             continue
-        lookup = {name_key(name): i for i, name in enumerate(profile.abilities)}
         ids = [lookup.get(name_key(n)) for n in names]
         if None in ids:
             problems.append(f"unknown ability in {names}")
@@ -394,6 +394,10 @@ def _normalise_choice(value: Any, allowed: tuple[str, ...], what: str) -> str:
     return text
 
 
+# advisory text of a reply (evidence, a reason): null reads as none given
+OptionalText = Annotated[str, BeforeValidator(lambda value: "" if value is None else str(value))]
+
+
 class ContributeReview(BaseModel):
     """The JSON a reviewer returns for a Contribute output (the drafter's delegated part)."""
 
@@ -410,8 +414,8 @@ class ContributeReview(BaseModel):
     confidence: Literal["low", "medium", "high"]
     specific_failure_found: bool
     failure_type: Literal["none", "wrong_half", "over_reach", "other"]
-    failure_evidence: str = Field(description="a quote of the erroneous text, empty if none")
-    one_sentence_reason: str
+    failure_evidence: OptionalText = Field(description="a quote of the erroneous text, empty if none")
+    one_sentence_reason: OptionalText
 
     @field_validator("half_correct", "normal_working_score", mode="before")
     @classmethod
@@ -432,11 +436,6 @@ class ContributeReview(BaseModel):
     @classmethod
     def _failure_type(cls, value: Any) -> str:
         return _normalise_choice(value, FAILURE_TYPES, "failure_type")
-
-    @field_validator("failure_evidence", "one_sentence_reason", mode="before")
-    @classmethod
-    def _text(cls, value: Any) -> str:
-        return "" if value is None else str(value)
 
 
 class FinalizeReview(ContributeReview):
@@ -996,17 +995,12 @@ class EvaluationReply(BaseModel):
 
     own_score: float = Field(json_schema_extra={"enum": list(ANCHORS)})
     other_score: float = Field(json_schema_extra={"enum": list(ANCHORS)})
-    one_sentence_reason: str = ""
+    one_sentence_reason: OptionalText = ""
 
     @field_validator("own_score", "other_score", mode="before")
     @classmethod
     def _on_grid(cls, value: Any) -> float:
         return snap_score(value)
-
-    @field_validator("one_sentence_reason", mode="before")
-    @classmethod
-    def _text(cls, value: Any) -> str:  # the reason is advisory: null reads as none given, as in a review
-        return "" if value is None else str(value)
 
 
 def evaluation_messages(task: TaskText, own_answer: str, other_answer: str,
