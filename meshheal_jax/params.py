@@ -288,15 +288,15 @@ def _categorical(doc: dict, section: str, source: str) -> dict[tuple[str, bool],
     table = _table(doc, section, source)
     unknown_keys(table, AUTHOR_ROLES, f"{source}: {section}")
     for role in AUTHOR_ROLES:
-        if not isinstance(table.get(role, {}), dict):
-            raise MeshHealError(f"{source}: {section}.{role} must be a table, got {table[role]!r}")
-        unknown_keys(table.get(role, {}), ("correct", "wrong"), f"{source}: {section}.{role}")
+        rows = table.get(role, {})
+        if not isinstance(rows, dict):
+            raise MeshHealError(f"{source}: {section}.{role} must be a table, got {rows!r}")
+        unknown_keys(rows, ("correct", "wrong"), f"{source}: {section}.{role}")
         for label, correct in (("correct", True), ("wrong", False)):
             where = f"{source}: {section}.{role}.{label}"
-            try:
-                row = doc[section][role][label]
-            except (KeyError, TypeError):
-                raise MeshHealError(f"{where} is missing") from None
+            if label not in rows:
+                raise MeshHealError(f"{where} is missing")
+            row = rows[label]
             if not isinstance(row, list) or len(row) != len(ANCHORS):
                 raise MeshHealError(f"{where} needs {len(ANCHORS)} probabilities (anchors {ANCHORS})")
             probs = tuple(_probability(p, where) for p in row)
@@ -316,6 +316,11 @@ def _model_id(value: Any, source: str) -> str:
 def _toml_key(key: str) -> str:
     """A key as TOML reads it back: bare where TOML allows, else a quoted basic string."""
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
+
+
+def _printable(text: str) -> str:
+    """`text` with each character TOML cannot hold in a comment (control characters) as a space."""
+    return "".join(c if c.isprintable() else " " for c in text)
 
 
 def _toml_string(text: str) -> str:
@@ -426,13 +431,11 @@ def dump_model(m: ModelParams, header: str = "", notes: Mapping[str, str] | None
     notes = notes or {}
 
     def note(*keys: str) -> str:  # one line of printable text, whatever a note holds
-        clean = {k: " ".join("".join(c if c.isprintable() else " " for c in str(notes[k])).split())
-                 for k in keys if k in notes}  # fmt: skip
+        clean = {k: " ".join(_printable(str(notes[k])).split()) for k in keys if k in notes}
         said = [f"{k.rsplit('.', 1)[-1]}: {v}" if len(keys) > 1 else v for k, v in clean.items()]
         return f"  # {'; '.join(said)}" if said else ""
 
-    printable = ("".join(c if c.isprintable() else " " for c in line) for line in header.splitlines())
-    lines = [f"# {line}" for line in printable] + [f"model = {_toml_string(m.model)}"]
+    lines = [f"# {_printable(line)}" for line in header.splitlines()] + [f"model = {_toml_string(m.model)}"]
     for key in SCALARS + OPTIONAL:
         lines.append(f"{key} = {m.scalars.get(key, 0.0):.6g}{note(key)}")
     lines.append(f"n_distractors = {m.n_distractors}{note('n_distractors')}")
