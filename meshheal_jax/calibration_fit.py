@@ -151,12 +151,10 @@ def _set(doc: dict, path: tuple[str, ...], value) -> None:
     target = doc
     for key in path[:-1]:
         target = target[key]
-    if path[0] != "p_part":
-        target[path[-1]] = value
-    elif isinstance(target.get(path[-1]), dict):  # the default is searched; per-type values are kept
-        target[path[-1]] = {**target[path[-1]], "default": value}
-    else:
-        target[path[-1]] = {"default": value}
+    if path[0] == "p_part":  # the default is searched; a start file's per-type values are kept
+        kept = target.get(path[-1])
+        value = {**(kept if isinstance(kept, dict) else {}), "default": value}
+    target[path[-1]] = value
 
 
 def encode(docs: dict[str, dict], knobs: tuple[Knob, ...] = KNOBS) -> np.ndarray:
