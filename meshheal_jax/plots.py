@@ -153,7 +153,8 @@ def recovery_trajectory(
     states = _pick(states, seed=seed, **labels)
     tasks = _pick(tasks, seed=seed, **labels)
     if tasks.height == 0:
-        raise MeshHealError(f"no tasks for seed {seed} ({', '.join(f'{k}={v}' for k, v in labels.items())})")
+        picked = ", ".join(f"{k}={v}" for k, v in labels.items() if v is not None)
+        raise MeshHealError(f"no tasks for seed {seed}" + (f" ({picked})" if picked else ""))
     n_tasks, n_agents = schedule.n_tasks, schedule.n_agents
     matrix = state_matrix(states, n_agents, n_tasks)  # (n_tasks + 1, n_agents) state at the end of t
     degraded_at = schedule.degraded_matrix()  # (n_tasks + 1, n_agents) bool
@@ -430,6 +431,14 @@ def _value(entry: Mapping, key: str) -> tuple[float, float]:
     return float(value), math.nan
 
 
+def _degraded_count(entry: Mapping) -> float:
+    """A scaling entry's degraded agents: `degraded`, else `n_degraded`, else n_agents // 3 (0 kept)."""
+    for key in ("degraded", "n_degraded"):
+        if entry.get(key) is not None:
+            return float(entry[key])
+    return float(int(entry["n_agents"]) // 3)
+
+
 def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
     """Accuracy and detection vs network size, complete vs sparse graph (spec/experiments.md §3).
 
@@ -477,9 +486,8 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
                 n, m, yerr=np.nan_to_num(s), ls=ls, marker=marker, label=f"{topology}, {phase} phase", **style
             )
         iso = np.array([_value(e, "isolated_degraded") for e in rows])
-        n_deg = np.array(
-            [float(e.get("degraded") or e.get("n_degraded") or int(e["n_agents"]) // 3) for e in rows]
-        )
+        n_deg = np.array([_degraded_count(e) for e in rows])
+        n_deg[n_deg == 0] = np.nan  # no degraded agent: no fraction to draw
         axes[1].errorbar(
             n, iso[:, 0] / n_deg, yerr=np.nan_to_num(iso[:, 1] / n_deg), marker="o", label=topology, **style
         )

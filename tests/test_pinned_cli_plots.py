@@ -463,7 +463,7 @@ def test_refused_input_writes_nothing(tmp_path):
         (lambda: plots.recovery_trajectory(reviews, states, tasks, HealthSchedule(6, N_TASKS, ()), 0, out),
          r"^the health schedule degrades no agent: no trajectory to draw$"),
         (lambda: plots.recovery_trajectory(reviews, states, tasks, schedule(), 5, out),
-         r"^no tasks for seed 5 "),
+         r"^no tasks for seed 5$"),  # no label picked or found: none named
         (lambda: plots.recovery_trajectory(reviews, states, tasks, schedule(), 0, out, dataset="bbh"),
          r"^no tasks for seed 0 \(dataset=bbh, pair=default, method=meshheal\)$"),
     ]  # fmt: skip
@@ -816,3 +816,20 @@ def test_an_empty_tokenizer_is_refused_from_a_flag_or_the_file(tmp_path):
         cli.backend_fields(main_flags("--data", "sample", "--tokenizer", ""))
     with pytest.raises(MeshHealError, match=r"live\.toml: tokenizer is empty"):
         live(tmp_path, 'data = "sample"\ntokenizer = " "\n')
+
+
+def test_the_scaling_plot_keeps_a_count_of_zero_degraded_agents_and_draws_no_fraction(drawn, tmp_path):
+    import warnings
+
+    from meshheal_jax import plots
+
+    entries = [{"n_agents": 6, "topology": "sparse", "isolated_degraded": 0, "degraded": 0},
+               {"n_agents": 12, "topology": "sparse", "isolated_degraded": 1, "degraded": None,
+                "n_degraded": 0},
+               {"n_agents": 24, "topology": "sparse", "isolated_degraded": 3, "degraded": None}]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division by zero
+        plots.scaling_plot(entries, tmp_path / "scaling.png")
+    (fig,) = drawn
+    y = series(fig.axes[1])["sparse"][1]
+    assert math.isnan(y[0]) and math.isnan(y[1]) and y[2] == 3 / 8  # 0 is a count, None is not
