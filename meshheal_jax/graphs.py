@@ -99,6 +99,18 @@ def agent_label(agent: int, n_agents: int) -> str:
     return f"agent {agent}"
 
 
+def check_connected(edges: np.ndarray, n_agents: int) -> None:
+    """MeshHealError naming the first agent unreachable from agent 0, if any (checked edges)."""
+    if n_agents > 1:
+        n_parts, labels = scipy.sparse.csgraph.connected_components(csr(edges, n_agents), directed=False)
+        if n_parts > 1:
+            missing = int(np.flatnonzero(labels != labels[0])[0])
+            raise MeshHealError(
+                f"graph: not connected: {agent_label(missing, n_agents)} is unreachable from agent 0 "
+                f"({n_parts} components)"
+            )
+
+
 def _ability_label(ability: int, ability_names: tuple[str, ...] | None) -> str:
     if ability_names is not None and 0 <= ability < len(ability_names):
         return f"ability {ability_names[ability]!r}"
@@ -306,14 +318,7 @@ def check_requirements(
     holds, degraded = _check_agents(holds, degraded)
     n = holds.shape[0]
     edges = check_structure(edges, n)
-    if n > 1:
-        n_parts, labels = scipy.sparse.csgraph.connected_components(csr(edges, n), directed=False)
-        if n_parts > 1:
-            missing = int(np.flatnonzero(labels != labels[0])[0])
-            raise MeshHealError(
-                f"graph: not connected: {agent_label(missing, n)} is unreachable from agent 0 "
-                f"({n_parts} components)"
-            )
+    check_connected(edges, n)
     counts = healthy_neighbour_counts(holds, degraded, edges)
     lacking = holds & (counts < 1)
     if lacking.any():

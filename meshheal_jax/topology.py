@@ -15,7 +15,6 @@ import tomllib
 from pathlib import Path
 
 import numpy as np
-import scipy.sparse.csgraph
 
 from meshheal_jax import graphs
 from meshheal_jax.errors import MeshHealError
@@ -302,13 +301,7 @@ def complete_graph(n_agents: int) -> np.ndarray:
 def validate_edges(edges: np.ndarray, n_agents: int) -> np.ndarray:
     """Structure (ids in range, no self loop or duplicate) and connectivity; canonical edges."""
     edges = graphs.check_structure(edges, n_agents)
-    if n_agents > 1:
-        n_parts, labels = scipy.sparse.csgraph.connected_components(
-            graphs.csr(edges, n_agents), directed=False
-        )
-        if n_parts > 1:
-            missing = int(np.flatnonzero(labels != labels[0])[0])
-            raise MeshHealError(f"graph: not connected (agent {missing} unreachable from agent 0)")
+    graphs.check_connected(edges, n_agents)
     return graphs.canonical(edges)
 
 

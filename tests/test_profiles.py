@@ -470,7 +470,10 @@ def test_validate_graph_rejects_disconnected():
     adj = np.zeros((6, 6), dtype=bool)
     for i, j in [(0, 1), (1, 2), (3, 4), (4, 5)]:  # two paths of three
         adj[i, j] = adj[j, i] = True
-    with pytest.raises(MeshHealError, match=r"not connected \(agent 3 unreachable"):
+    with pytest.raises(
+        MeshHealError,
+        match=r"^graph: not connected: agent 3 \(A4 of replica 0\) is unreachable from agent 0 \(2 components\)$",
+    ):
         topology.validate_graph(adj)
 
 
