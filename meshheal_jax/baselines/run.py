@@ -60,6 +60,10 @@ class BaselineSpec(NamedTuple):
 
 def _spec(spec: Any) -> BaselineSpec:
     if isinstance(spec, tuple) and not hasattr(spec, "network"):
+        if len(spec) < 4:
+            raise MeshHealError(
+                f"a baseline stream is (network, stream, schedule, labels), got a tuple of {len(spec)}"
+            )
         return BaselineSpec(*spec[:4])
     return BaselineSpec(spec.network, spec.stream, spec.schedule, spec.labels)
 
@@ -98,7 +102,10 @@ def simulate(method: str, specs: list, pair: Pair | str, params=None, live=None)
     if not specs:
         raise MeshHealError("no streams given")
     pair = load_pair(pair) if isinstance(pair, str) else pair
-    params = DEFAULT_PARAMS[method]() if params is None else params
+    expected = DEFAULT_PARAMS[method]
+    params = expected() if params is None else params
+    if not isinstance(params, expected):
+        raise MeshHealError(f"{method}: parameters must be {expected.__name__}, got {type(params).__name__}")
     specs = [_spec(s) for s in specs]
     first = specs[0]
     n_tasks, n_agents = first.stream.n_tasks, first.network.n_agents
