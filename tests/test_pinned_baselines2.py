@@ -317,3 +317,25 @@ def test_a_baseline_stream_tuple_needs_its_four_parts():
         MeshHealError, match=r"^a baseline stream is \(network, stream, schedule, labels\), got a tuple of 3$"
     ):
         simulate("raps", [spec(COMPLETE, 42)[:3]], PAIR)
+
+
+def test_autogen_finalizes_on_the_draft_its_contribute_wrote():
+    """decisions E4/E6 through AutoGen: the Finalize answer is right only if its own part is right
+    and the Contribute's draft is right (or rescued, p_rescue). With no rescue and no corrupting
+    compose, every task whose Contribute part was wrong (inference right) is answered wrong, while
+    tasks on a right draft are answered right at the Finalize's own rate."""
+
+    def no_rescue(m):
+        return dataclasses.replace(m, scalars={**m.scalars, "p_rescue": 0.0})
+
+    pair = dataclasses.replace(PAIR, strong=no_rescue(PAIR.strong), weak=no_rescue(PAIR.weak))
+    _, outs = simulate("autogen", [spec(COMPLETE, 168)], pair, autogen.AutoGenParams(p_corrupt=(0.0, 0.0)))
+    calls = outs.calls
+    contribute = (calls.kind == C.KINDS.index("generate")) & (calls.answer_id == -1) & calls.valid
+    assert (contribute.sum(-1) == 1).all()  # one Contribute a task (two parts)
+    draft_ok = (np.where(contribute, calls.correct, 0).sum(-1) == 1)[0]
+    pair_ok, correct = outs.pair_correct[0], outs.correct[0]
+    wrong_draft = pair_ok & ~draft_ok
+    assert wrong_draft.sum() >= 5 and (pair_ok & draft_ok).sum() >= 50  # both kinds occur
+    assert not correct[wrong_draft].any()
+    assert correct[pair_ok & draft_ok].mean() > 0.5
