@@ -608,8 +608,8 @@ def check_run_dir(exp: Experiment, out: Path) -> dict | None:
     settings = changed_values(previous["experiment"], exp)
     if settings:
         names = ", ".join(key for key, _, _ in settings[:6])
-        # baseline_rules follow from the methods: not shown
-        shown = [s for s in settings if not s[0].startswith("baseline_rules.")][:3]
+        # baseline_rules follow from the methods: shown only where nothing else differs
+        shown = ([s for s in settings if not s[0].startswith("baseline_rules.")] or settings)[:3]
         reordered = [key for key, a, b in settings if _reordered(a, b)]
         hint = (f" ({', '.join(reordered)}: the same values in another order; give them in the recorded order, "
                 "which is the order the runs and tables follow)" if reordered else "")  # fmt: skip
