@@ -450,7 +450,7 @@ def scaling_plot(summary_entries: Sequence[Mapping], path: Path | str) -> Path:
       are accepted too);
     - `isolated_degraded`: degraded agents isolated at the end of the stream (count);
     - `degraded` (int; `n_degraded` is accepted too): degraded agents (default n_agents // 3), so
-      the plot shows the fraction `isolated_degraded / degraded`;
+      the plot shows the fraction `isolated_degraded / degraded` (none drawn where it is 0);
     - optional `false_isolations`: isolations of healthy agents (transitions to isolated, as
       in summary.json); drawn in a third panel when any entry has it.
     """
