@@ -8,21 +8,11 @@ and per-seed dicts, each answer worked out by hand from the rule: no run."""
 
 from __future__ import annotations
 
-import polars as pl
 import pytest
+from test_pinned_metrics import LABELS, states  # the hand-built frames of the first audit
 
 from meshheal_jax import metrics
 from meshheal_jax.streams import HealthSchedule
-
-LABELS = {"method": "meshheal", "dataset": "math", "pair": "default"}
-
-
-def states(*changes: tuple[int, int, str, str], seed: int = 0) -> pl.DataFrame:
-    """(t, agent, from, to) rows -> a `states` frame of one stream."""
-    rows = [{**LABELS, "seed": seed, "t": t, "agent": a, "from": f, "to": to, "z": 2.0, "reason": "r",
-             "probe": False, "degraded": False}
-            for t, a, f, to in changes]  # fmt: skip
-    return metrics.frame("states", rows)
 
 
 def review(degraded: bool, q0: float, q: float, action: str = "contribute", takeover: bool = False,

@@ -14,6 +14,7 @@ import numpy as np
 import polars as pl
 import pytest
 import tyro
+from test_pinned_experiments import captured_tables, rows  # rich tables kept, read as dicts
 
 from meshheal_jax import ablate, main, metrics, recovery, runner, scale
 from meshheal_jax.errors import MeshHealError
@@ -25,18 +26,6 @@ from meshheal_jax.streams import (
 )
 
 stat = metrics.stat
-
-
-def captured_tables(monkeypatch, module) -> list:
-    """The rich tables `module` prints, kept instead of printed."""
-    tables: list = []
-    monkeypatch.setattr(module, "print_table", tables.append)
-    return tables
-
-
-def rows(table) -> list[dict[str, str]]:
-    """A rich table's rows as {header: cell}."""
-    return [{c.header: c._cells[i] for c in table.columns} for i in range(table.row_count)]
 
 
 # ----------------------------------------------------------------------------------------------
