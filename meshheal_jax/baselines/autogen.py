@@ -57,15 +57,12 @@ class AutoGenParams:
     def check(self, n_agents: int) -> None:
         if not 0 <= self.manager < n_agents:
             raise MeshHealError(f"AutoGen: manager {self.manager} is not an agent of 0..{n_agents - 1}")
-        p_corrupt = None if self.p_corrupt is None else np.asarray(self.p_corrupt)
-        if p_corrupt is not None and not (
-            p_corrupt.shape == (2,)
-            and p_corrupt.dtype.kind in "iuf"
-            and bool(np.all((p_corrupt >= 0) & (p_corrupt <= 1)))
-        ):
-            raise MeshHealError(
-                f"AutoGen: p_corrupt must be (strong, weak) probabilities in [0, 1], got {self.p_corrupt!r}"
-            )
+        if self.p_corrupt is not None:
+            p = np.asarray(self.p_corrupt)
+            if not (p.shape == (2,) and p.dtype.kind in "iuf" and ((p >= 0) & (p <= 1)).all()):
+                raise MeshHealError(
+                    f"AutoGen: p_corrupt must be (strong, weak) probabilities in [0, 1], got {self.p_corrupt!r}"
+                )
         if self.corrupts not in ("weak", "both"):
             raise MeshHealError(f"AutoGen: corrupts must be 'weak' or 'both', got {self.corrupts!r}")
         if self.selection_retries not in (0, 1):
