@@ -19,28 +19,24 @@ import functools
 
 import jax
 import numpy as np
+import test_pinned_baselines2 as pinned2  # the first audit's streams, networks and labels
+from test_pinned_baselines2 import COMPLETE, LABELS, LADDER, PROFILE
 
 from meshheal_jax import draws as D
 from meshheal_jax.baselines import BaselineSpec, autogen, run, run_baseline_frames, simulate
 from meshheal_jax.baselines import common as C
 from meshheal_jax.config import ProtocolParams
 from meshheal_jax.params import ANCHORS, AUTHOR_ROLES, load_pair
-from meshheal_jax.streams import HealthSchedule, make_stream, persistent_schedule
-from meshheal_jax.topology import build_network, load_profile
+from meshheal_jax.streams import HealthSchedule
+from meshheal_jax.topology import build_network
 
-PROFILE = load_profile("bbh")
-COMPLETE = build_network(PROFILE)
 N_TASKS = 252
 LINE_EDGES = np.asarray([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)])
-# A1 and A2..A6 joined so that A1 reaches the temporal holders only through A4 or A5 (as in
-# test_pinned_baselines2.py): a RAPS task there takes one or two moves
-LADDER = build_network(PROFILE, edges=np.asarray([(0, 3), (0, 4), (3, 5), (4, 5), (1, 5), (2, 5)]))
 # every task needs three abilities (mathematical, sequence, logical) on a line: a Contribute can come
 # after a move, so a task moves on both sides of it
 LINE3 = build_network(
     dataclasses.replace(PROFILE, requires=((0, 3, 4),) * len(PROFILE.task_types)), edges=LINE_EDGES
 )
-LABELS = {"dataset": "bbh", "pair": "default", "seed": 0}
 
 
 def _with(model, **scalars):
@@ -57,8 +53,7 @@ MODELS = (PAIR.strong, PAIR.weak)
 
 
 def spec(network, n_tasks: int = N_TASKS) -> BaselineSpec:
-    stream = make_stream(0, PROFILE.dataset_id, n_tasks, 7, (1, n_tasks // 2 + 1), ("healthy", "degraded"))
-    return BaselineSpec(network, stream, persistent_schedule(6, n_tasks, network.degraded_targets), LABELS)
+    return pinned2.spec(network, n_tasks)
 
 
 @functools.cache
