@@ -261,12 +261,17 @@ def _one_call(profile_name: str, phase: int, kind: int):
     spec = engine.StreamSpec(network, stream, persistent_schedule(6, 42, network.degraded_targets),
                              load_pair("default"), {"seed": 0})  # fmt: skip
     agent, ability = (int(x) for x in np.argwhere(network.holds)[0])
-    rq = types.SimpleNamespace(
-        mask=np.array([[[True, False, False]]]), t=np.array([[1]]), phase=np.array([[phase]]),
-        ability=np.array([[ability]]), author=np.array([[agent]]), finalize=np.array([[True]]),
-        agent=np.array([[[agent, -1, -1]]]), kind=np.array([[[kind, -1, -1]]]), inferred_pair=np.array([[0]]),
-    )  # fmt: skip
+    rq = _slot(phase, kind, agent, ability, finalize=True)
     return live_loop._prepare_stream(spec, load_sample(profile_name)), rq
+
+
+def _slot(phase: int, kind: int, agent: int, ability: int, finalize: bool, pair: int = 0, t: int = 1):
+    """One slot's emitted arrays at task t (streams x slots (x 3 calls)), as `begin_round` hands them."""
+    return types.SimpleNamespace(
+        mask=np.array([[[True, False, False]]]), t=np.array([[t]]), phase=np.array([[phase]]),
+        ability=np.array([[ability]]), author=np.array([[agent]]), finalize=np.array([[finalize]]),
+        agent=np.array([[[agent, -1, -1]]]), kind=np.array([[[kind, -1, -1]]]), inferred_pair=np.array([[pair]]),
+    )  # fmt: skip
 
 
 def test_an_mmlu_pro_prompt_lists_the_question_s_options():
@@ -305,9 +310,10 @@ def test_a_config_s_cache_path_wins_over_the_run_folder(tmp_path):
 # The baselines' host, call by call
 
 
-def _reply(text: str, parsed=None) -> CallResponse:
-    return CallResponse((text,), (parsed if parsed is not None else text,), (PARSE_OK,), ("stop",), 10, 5, 0, 0, 0.01,
-                        0, 0, 1, False, "scripted-strong")  # fmt: skip
+def _reply(text: str, parsed=None, prompt: int = 10, completion: int = 5) -> CallResponse:
+    """A reply parsed ok (prompt / completion tokens as given), as the live client hands it back."""
+    return CallResponse((text,), (parsed if parsed is not None else text,), (PARSE_OK,), ("stop",), prompt,
+                        completion, 0, 0, 0.01, 0, 0, 1, False, "scripted-strong")  # fmt: skip
 
 
 def _host(seeds=(0,)) -> LiveBaselineHost:

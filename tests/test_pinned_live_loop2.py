@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import types
 
 import jax
 import numpy as np
@@ -29,11 +28,10 @@ pytest.importorskip("pydantic")
 
 from test_live_baselines import bbh_specs  # the baselines' scripted setup
 from test_live_loop import RECORDS, STRONG_ROOT, WEAK_ROOT, bbh_spec
-from test_pinned_live_loop import ScriptedLive
+from test_pinned_live_loop import ScriptedLive, _reply, _slot
 
 from meshheal_jax import engine, prompts
 from meshheal_jax.backends import live_loop
-from meshheal_jax.backends.live import PARSE_OK, CallResponse
 from meshheal_jax.backends.live_baselines import LiveBaselineHost
 from meshheal_jax.baselines import common as C
 from meshheal_jax.config import ProtocolParams
@@ -46,13 +44,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::meshheal_jax.data.QuestionPoolW
 # The MeshHeal loop's requests
 
 
-def _slot(phase: int, kind: int, agent: int, ability: int, finalize: bool, pair: int = 0, t: int = 1):
-    """One slot's emitted arrays at task t (streams x slots (x 3 calls)), as `begin_round` hands them."""
-    return types.SimpleNamespace(
-        mask=np.array([[[True, False, False]]]), t=np.array([[t]]), phase=np.array([[phase]]),
-        ability=np.array([[ability]]), author=np.array([[agent]]), finalize=np.array([[finalize]]),
-        agent=np.array([[[agent, -1, -1]]]), kind=np.array([[[kind, -1, -1]]]), inferred_pair=np.array([[pair]]),
-    )  # fmt: skip
+def _text_store(stream) -> dict:
+    record = stream.records[0]
+    base = prompts.TaskText(stream.profile.dataset, record.question, record.task_type, record.options)
+    return {(0, 1): live_loop._TaskText(record, base)}
 
 
 def test_a_finalize_after_a_contribute_is_asked_only_for_the_part_the_draft_leaves():
@@ -63,28 +58,14 @@ def test_a_finalize_after_a_contribute_is_asked_only_for_the_part_the_draft_leav
     profile = stream.profile
     first, second = sorted(profile.pairs[0])
     agent = int(np.flatnonzero(spec.network.holds[:, second])[0])
-    record = stream.records[0]
-    text = live_loop._TaskText(record, prompts.TaskText(profile.dataset, record.question, record.task_type,
-                                                        record.options))  # fmt: skip
-    text.pending = prompts.PriorOutput("RESULT: the first part", (profile.abilities[first],))
+    store = _text_store(stream)
+    store[(0, 1)].pending = prompts.PriorOutput("RESULT: the first part", (profile.abilities[first],))
     rq = _slot(engine.GENERATE, engine.K_GENERATE, agent, second, finalize=True)
-    (pending,) = live_loop._build_requests([stream], {(0, 1): text}, rq, live_loop.LiveOptions())
+    (pending,) = live_loop._build_requests([stream], store, rq, live_loop.LiveOptions())
     content = pending.request.messages[-1]["content"]
     assert "Earlier agents have covered" in content and "RESULT: the first part" in content
     asked = re.search(r"Using your abilities \((.+?)\), do the remaining part", content)[1]
     assert asked.split(", ") == [profile.abilities[second]]
-
-
-def _text_store(stream) -> dict:
-    record = stream.records[0]
-    base = prompts.TaskText(stream.profile.dataset, record.question, record.task_type, record.options)
-    return {(0, 1): live_loop._TaskText(record, base)}
-
-
-def _response(text: str, parsed, prompt: int = 10, completion: int = 5) -> CallResponse:
-    """A reply parsed ok (prompt / completion tokens as given), as the live client hands it back."""
-    return CallResponse((text,), (parsed,), (PARSE_OK,), ("stop",), prompt, completion, 0, 0, 0.01, 0, 0, 1, False,
-                        "scripted")  # fmt: skip
 
 
 def _answer(stream, store, rq, text: str) -> dict:
@@ -92,7 +73,7 @@ def _answer(stream, store, rq, text: str) -> dict:
     store, as the loop does; the response arrays it filled."""
     (pending,) = live_loop._build_requests([stream], store, rq, live_loop.LiveOptions())
     parser = pending.request.parser
-    reply = _response(text, parser.parse(text) if parser is not None else text)
+    reply = _reply(text, parser.parse(text) if parser is not None else text)
     rows = live_loop.trace_rows([pending.request], [reply])
     arrays, shape = live_loop._empty_responses(1, 1), (1, 1, 3)
     extra = {"latency": np.zeros(shape), "status": np.full(shape, "", object), "model": np.full(shape, "", object),
@@ -237,7 +218,7 @@ class Numbered:
     def run_batch(self, requests):
         self.batches.append(list(requests))
         text = json.dumps({"abilities": ["x", "y"]})
-        return [_response(text, r.parser.fallback, 1000 + i, 10 + i) for i, r in enumerate(requests)]
+        return [_reply(text, r.parser.fallback, 1000 + i, 10 + i) for i, r in enumerate(requests)]
 
 
 def test_the_host_hands_each_call_its_own_reply_s_tokens_and_request_id():
@@ -269,7 +250,7 @@ def test_a_team_s_final_answer_is_what_the_other_teams_evaluate_and_refine_again
     for team, finalize in ((1, False), (1, True)):
         _, finish = host._request("generate", {**call, "execution": team, "visit": int(finalize),
                                                "finalize": finalize}, {})  # fmt: skip
-        finish(_response(f"RESULT: TEAM-ONE-{'ANSWER' if finalize else 'PART'}", None))
+        finish(_reply(f"RESULT: TEAM-ONE-{'ANSWER' if finalize else 'PART'}", None))
     evaluation, _ = host._request("evaluate", {**call, "execution": 0, "other": 1}, {})
     content = evaluation.messages[-1]["content"]
     assert "TEAM-ONE-ANSWER" in content and "TEAM-ONE-PART" not in content
